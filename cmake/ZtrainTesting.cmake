@@ -1,0 +1,54 @@
+# One helper registers every test.
+#
+#   ztrain_add_test(NAME comm_test SOURCES a.cpp b.cpp [RANKS 1 2 4] [TIMEOUT 120] [LABELS ...]
+#                   [NO_INIT])
+#
+# Builds an executable from SOURCES (linked with GoogleTest and the shared MPI-aware test main)
+# and registers it with CTest. Without RANKS it is a unit test run as a plain process (world size
+# 1). With RANKS it is registered once per rank count as NAME.npN, launched under mpirun; the
+# test main receives the expected world size in ZTRAIN_TEST_WORLD_SIZE and fails when it does not
+# get it, so a launcher mistake can never pass silently. NO_INIT leaves init_distributed to the
+# test itself (tests of initialisation).
+include_guard(GLOBAL)
+
+find_package(GTest REQUIRED)
+find_program(ZTRAIN_MPIEXEC NAMES mpirun mpiexec REQUIRED)
+
+set(ZTRAIN_TEST_ENV
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+  ZTRAIN_TIMEOUT_S=60)
+
+# Options every multi-rank launch in the tests uses: more ranks than cores, no core binding (the
+# ranks of an oversubscribed run would otherwise be packed onto the same core).
+set(ZTRAIN_MPIEXEC_FLAGS --oversubscribe --bind-to none)
+
+function(ztrain_add_test)
+  cmake_parse_arguments(T "NO_INIT" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;ARGS" ${ARGN})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  add_executable(${T_NAME} ${T_SOURCES})
+  if(T_NO_INIT)
+    target_link_libraries(${T_NAME} PRIVATE ztrain_test_main_noinit ztrain_warnings)
+  else()
+    target_link_libraries(${T_NAME} PRIVATE ztrain_test_main ztrain_warnings)
+  endif()
+  if(ZTRAIN_USE_PCH)
+    target_precompile_headers(${T_NAME} REUSE_FROM ztrain_test_main)
+  endif()
+  if(NOT T_RANKS)
+    add_test(NAME ${T_NAME} COMMAND ${T_NAME} ${T_ARGS})
+    set_tests_properties(${T_NAME} PROPERTIES
+      TIMEOUT ${T_TIMEOUT} LABELS "unit;${T_LABELS}"
+      ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=1")
+    return()
+  endif()
+  foreach(n IN LISTS T_RANKS)
+    add_test(NAME ${T_NAME}.np${n}
+      COMMAND ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
+    set_tests_properties(${T_NAME}.np${n} PROPERTIES
+      TIMEOUT ${T_TIMEOUT} LABELS "mpi;${T_LABELS}" PROCESSORS ${n}
+      ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=${n}")
+  endforeach()
+endfunction()

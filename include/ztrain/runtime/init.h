@@ -1,0 +1,125 @@
+#pragma once
+/// The distributed runtime: MPI, the rank layout, communicators, seeds and threads.
+///
+/// `init_distributed` is called once per process, before any other ztrain call that
+/// communicates. It initialises MPI with MPI_THREAD_MULTIPLE (or adopts an MPI the program
+/// already initialised, which then must provide that level), builds the pp × dp × tp topology
+/// and one communicator per group, seeds libtorch's default generator (different per
+/// data-parallel replica and stage, same across a tensor-parallel group) and sets the
+/// intra-op thread count. A plain `./program` without mpirun is a world of one rank.
+///
+/// The runtime lives until `finalize_distributed()` or process exit, whichever comes first;
+/// MPI is finalised then if ztrain initialised it (and skipped after a communication failure,
+/// where MPI_Finalize would block on the dead peer).
+///
+///   int main(int argc, char** argv) {
+///     auto& rt = ztrain::init_distributed({.seed = 0, .tp_size = 2});
+///     ztrain::print_rank("world ", rt.world_size(), ", dp ", rt.topology().dp_size());
+///   }
+
+#include <ztrain/comm/communicator.h>
+#include <ztrain/runtime/topology.h>
+
+#include <c10/util/StringUtil.h>
+
+#include <chrono>
+#include <cstdint>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+namespace ztrain {
+
+struct InitOptions {
+  uint64_t seed = 0;
+  int tp_size = 1;
+  int pp_size = 1;
+  /// Intra-op threads per rank. Not set: OMP_NUM_THREADS if the environment sets it, else the
+  /// usable cores of this host divided by the ranks on it (at least 1).
+  std::optional<int> threads;
+  /// Deadline of every communication wait. Not set: ZTRAIN_TIMEOUT_S from the environment,
+  /// else 300 s.
+  std::optional<std::chrono::milliseconds> timeout;
+  /// Check before every collective that all members agree on it (op, dtype, sizes, root).
+  /// Not set: on when ZTRAIN_DEBUG_COLLECTIVES is 1.
+  std::optional<bool> debug_collectives;
+};
+
+class Runtime {
+ public:
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  const Topology& topology() const { return topology_; }
+  int rank() const { return rank_; }
+  int world_size() const { return topology_.world_size(); }
+  Coord coord() const { return topology_.coord(rank_); }
+  int tp_rank() const { return coord().tp; }
+  int dp_rank() const { return coord().dp; }
+  int pp_rank() const { return coord().pp; }
+  /// Ranks on this host (sharing memory) and this rank's index among them.
+  int local_size() const { return local_size_; }
+  int local_rank() const { return local_rank_; }
+
+  /// Communicators of the groups this rank belongs to. Not thread-safe: a thread other than
+  /// the one that called init_distributed should dup() its own.
+  Communicator& world() { return *world_; }
+  Communicator& tp() { return *tp_; }
+  Communicator& dp() { return *dp_; }
+  Communicator& pp() { return *pp_; }
+  /// All ranks of this pipeline stage (dp × tp).
+  Communicator& stage() { return *stage_; }
+
+  uint64_t seed() const { return seed_; }
+  int threads() const { return threads_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  bool debug_collectives() const { return debug_; }
+
+ private:
+  friend Runtime& init_distributed(const InitOptions&);
+  explicit Runtime(const InitOptions& options);
+
+  int rank_ = 0;
+  Topology topology_;
+  int local_size_ = 1;
+  int local_rank_ = 0;
+  uint64_t seed_;
+  int threads_ = 1;
+  std::chrono::milliseconds timeout_;
+  bool debug_ = false;
+  std::unique_ptr<Communicator> world_, tp_, dp_, pp_, stage_;
+};
+
+/// Initialise the runtime (collective over all processes). Throws if called twice.
+Runtime& init_distributed(const InitOptions& options = {});
+/// True between init_distributed and finalize_distributed.
+bool is_initialized();
+/// The runtime; throws ztrain::Error naming init_distributed when it was not called.
+Runtime& runtime();
+/// Tear the runtime down and finalise MPI if ztrain started it (collective). Happens at process
+/// exit otherwise. MPI cannot be started again afterwards.
+void finalize_distributed();
+
+/// World rank and size of this process (requires init_distributed).
+int rank();
+int world_size();
+/// Blocks until every rank reaches it (a world barrier).
+void synchronize();
+/// The mean of a per-rank loss over the data-parallel group — a mean, not a sum, despite the
+/// name kept from BMTrain: each rank's loss is already the mean over its micro-batch, so this
+/// is the global mean for equal micro-batches. Detached; collective over the dp group.
+torch::Tensor sum_loss(const torch::Tensor& loss);
+
+/// Prints the streamed arguments, followed by a newline, on world rank `rank` only.
+template <class... Args>
+void print_on(int rank, const Args&... args) {
+  if (ztrain::rank() == rank) std::cout << c10::str(args...) << std::endl;
+}
+/// Prints on world rank 0 only.
+template <class... Args>
+void print_rank(const Args&... args) {
+  print_on(0, args...);
+}
+
+}  // namespace ztrain

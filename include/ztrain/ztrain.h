@@ -1,0 +1,14 @@
+#pragma once
+/// ztrain: distributed training for libtorch. Include this one header.
+///
+///   #include <ztrain/ztrain.h>
+///   namespace zt = ztrain;
+///   int main() {
+///     auto& rt = zt::init_distributed({.seed = 0});
+///     auto loss = ...;                          // this rank's mean loss
+///     zt::print_rank("loss ", zt::sum_loss(loss).item<double>());
+///   }
+#include <ztrain/comm/comm.h>
+#include <ztrain/error.h>
+#include <ztrain/runtime/runtime.h>
+#include <ztrain/version.h>

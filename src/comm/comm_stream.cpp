@@ -1,0 +1,146 @@
+#include <ztrain/comm/comm_stream.h>
+
+#include <c10/util/StringUtil.h>
+
+#include <sstream>
+
+namespace ztrain {
+
+namespace detail {
+struct WorkState {
+  std::string what;  // "<stream>: <operation>", for messages
+  std::chrono::milliseconds timeout;
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      done = true;
+      error = std::move(e);
+    }
+    cv.notify_all();
+  }
+};
+}  // namespace detail
+
+// ---- Work ------------------------------------------------------------------------------------
+
+bool Work::is_completed() const {
+  ZTRAIN_CHECK(state_, "Work::is_completed() on an empty Work handle");
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->done;
+}
+
+std::exception_ptr Work::error() const {
+  ZTRAIN_CHECK(state_, "Work::error() on an empty Work handle");
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->error;
+}
+
+void Work::wait(std::optional<std::chrono::milliseconds> timeout) const {
+  ZTRAIN_CHECK(state_, "Work::wait() on an empty Work handle");
+  const auto limit = timeout.value_or(state_->timeout);
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  if (!state_->cv.wait_for(lock, limit, [&] { return state_->done; })) {
+    std::ostringstream s;
+    s << "ztrain: " << state_->what << " did not complete within " << limit.count() / 1000.0
+      << " s of waiting (operations queued before it may be stuck on a dead or slow peer)";
+    throw CommError(s.str(), -1, state_->what, -1);
+  }
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+// ---- CommStream ------------------------------------------------------------------------------
+
+CommStream::CommStream(Communicator& comm, const std::string& name)
+    : comm_(comm.dup(comm.name() + "." + name)), worker_([this] { run(); }) {}
+
+CommStream::~CommStream() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+Work CommStream::submit(std::function<void(Communicator&)> fn, const std::string& what) {
+  auto state = std::make_shared<detail::WorkState>();
+  state->what = c10::str(what, " on stream '", comm_->name(), "'");
+  state->timeout = comm_->timeout();
+  Work work(state);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ZTRAIN_CHECK(!stopping_, "CommStream '", comm_->name(), "' is shutting down");
+    queue_.push_back({std::move(fn), std::move(state)});
+    last_ = work;
+  }
+  cv_.notify_one();
+  return work;
+}
+
+void CommStream::run() {
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything submitted has run
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (failure_) {
+      task.state->finish(failure_);
+      continue;
+    }
+    try {
+      task.fn(*comm_);
+      task.state->finish(nullptr);
+    } catch (...) {
+      failure_ = std::current_exception();
+      task.state->finish(failure_);
+    }
+  }
+}
+
+Work CommStream::all_reduce(torch::Tensor tensor, ReduceOp op) {
+  return submit([tensor, op](Communicator& c) { c.all_reduce(tensor, op); }, "all_reduce");
+}
+
+Work CommStream::all_gather(torch::Tensor input, torch::Tensor output) {
+  return submit([input, output](Communicator& c) { c.all_gather(input, output); }, "all_gather");
+}
+
+Work CommStream::reduce_scatter(torch::Tensor input, torch::Tensor output, ReduceOp op) {
+  return submit([input, output, op](Communicator& c) { c.reduce_scatter(input, output, op); }, "reduce_scatter");
+}
+
+Work CommStream::broadcast(torch::Tensor tensor, int root) {
+  return submit([tensor, root](Communicator& c) { c.broadcast(tensor, root); }, "broadcast");
+}
+
+Work CommStream::send(torch::Tensor tensor, int dst, int tag) {
+  return submit([tensor, dst, tag](Communicator& c) { c.send(tensor, dst, tag); }, "send");
+}
+
+Work CommStream::recv(torch::Tensor tensor, int src, int tag) {
+  return submit([tensor, src, tag](Communicator& c) { c.recv(tensor, src, tag); }, "recv");
+}
+
+Work CommStream::barrier() {
+  return submit([](Communicator& c) { c.barrier(); }, "barrier");
+}
+
+void CommStream::synchronize() {
+  Work last;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last = last_;
+  }
+  if (last.defined()) last.wait();
+}
+
+}  // namespace ztrain

@@ -1,0 +1,497 @@
+#include <ztrain/comm/mpi/communicator.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+// How it works
+// ------------
+// Each call validates its tensors (so bad input never leaves a peer blocked), optionally runs
+// the debug agreement check, starts the non-blocking MPI operation and then polls MPI_Test.
+// Polling drives MPI's progress engine (shared-memory copies and the schedules of non-blocking
+// collectives advance only inside MPI calls), so the waiter spins hot at first, then yields,
+// and only after a while without completion backs off to short sleeps. Past the deadline the
+// request is abandoned: the communicator records the failure and refuses later calls, and
+// the runtime skips MPI_Finalize, which would block on the missing peer.
+
+namespace ztrain {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+namespace detail {
+namespace {
+std::atomic<bool> g_mpi_failure{false};
+}
+bool mpi_failure_seen() { return g_mpi_failure.load(); }
+}  // namespace detail
+
+namespace {
+
+// ---- custom reductions for 16-bit floats ---------------------------------------------------
+
+template <class T, class F>
+void reduce16(void* in, void* inout, int* len, F f) {
+  auto* a = static_cast<const T*>(in);
+  auto* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = T(f(static_cast<float>(a[i]), static_cast<float>(b[i])));
+}
+struct Sum { float operator()(float a, float b) const { return a + b; } };
+struct Max { float operator()(float a, float b) const { return (a > b || a != a) ? a : b; } };
+struct Min { float operator()(float a, float b) const { return (a < b || a != a) ? a : b; } };
+
+template <class T, class F>
+void reduce16_fn(void* in, void* inout, int* len, MPI_Datatype*) { reduce16<T>(in, inout, len, F{}); }
+
+struct CustomOps {
+  MPI_Op bf16[3];  // sum, max, min
+  MPI_Op f16[3];
+};
+
+const CustomOps& custom_ops() {
+  static CustomOps ops = [] {
+    CustomOps o{};
+    MPI_Op_create(&reduce16_fn<c10::BFloat16, Sum>, 1, &o.bf16[0]);
+    MPI_Op_create(&reduce16_fn<c10::BFloat16, Max>, 1, &o.bf16[1]);
+    MPI_Op_create(&reduce16_fn<c10::BFloat16, Min>, 1, &o.bf16[2]);
+    MPI_Op_create(&reduce16_fn<c10::Half, Sum>, 1, &o.f16[0]);
+    MPI_Op_create(&reduce16_fn<c10::Half, Max>, 1, &o.f16[1]);
+    MPI_Op_create(&reduce16_fn<c10::Half, Min>, 1, &o.f16[2]);
+    return o;
+  }();
+  return ops;
+}
+
+bool supported(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kHalf:
+    case at::kInt: case at::kLong: case at::kByte: case at::kBool:
+      return true;
+    default:
+      return false;
+  }
+}
+
+MPI_Datatype mpi_type(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kBFloat16: case at::kHalf: return MPI_UINT16_T;
+    case at::kInt: return MPI_INT32_T;
+    case at::kLong: return MPI_INT64_T;
+    case at::kByte: return MPI_UINT8_T;
+    case at::kBool: return MPI_C_BOOL;
+    default: break;
+  }
+  ZTRAIN_INTERNAL_ASSERT(false, "no MPI type for ", t);
+}
+
+MPI_Op mpi_op(c10::ScalarType t, ReduceOp op, const char* call) {
+  int idx = op == ReduceOp::kMax ? 1 : op == ReduceOp::kMin ? 2 : 0;
+  if (t == at::kBFloat16) return custom_ops().bf16[idx];
+  if (t == at::kHalf) return custom_ops().f16[idx];
+  if (t == at::kBool) {
+    ZTRAIN_CHECK(op != ReduceOp::kAvg, call, ": ReduceOp::kAvg needs a floating dtype, got bool");
+    return op == ReduceOp::kMin ? MPI_LAND : MPI_LOR;
+  }
+  if (op == ReduceOp::kAvg) {
+    ZTRAIN_CHECK(at::isFloatingType(t), call, ": ReduceOp::kAvg needs a floating dtype, got ", t,
+                 "; reduce with kSum and divide yourself");
+  }
+  return idx == 1 ? MPI_MAX : idx == 2 ? MPI_MIN : MPI_SUM;
+}
+
+void check_tensor(const torch::Tensor& t, const char* call, const char* what) {
+  ZTRAIN_CHECK(t.defined(), call, ": ", what, " is an undefined tensor");
+  ZTRAIN_CHECK(t.device().is_cpu(), call, ": the MPI communicator works on CPU tensors, ", what,
+               " is on ", t.device());
+  ZTRAIN_CHECK(t.is_contiguous(), call, ": ", what, " must be contiguous (sizes ", t.sizes(),
+               ", strides ", t.strides(), "); pass a contiguous buffer — ztrain never copies "
+               "silently");
+  ZTRAIN_CHECK(supported(t.scalar_type()), call, ": dtype ", t.scalar_type(), " of ", what,
+               " is not supported (use float32, float64, bfloat16, float16, int32, int64, "
+               "uint8 or bool)");
+  ZTRAIN_CHECK(t.numel() <= INT_MAX, call, ": ", what, " has ", t.numel(),
+               " elements; one call moves at most ", INT_MAX, " elements per rank");
+}
+
+int count(const torch::Tensor& t) { return static_cast<int>(t.numel()); }
+
+bool overlaps(const torch::Tensor& a, const torch::Tensor& b) {
+  auto a0 = static_cast<const char*>(a.data_ptr());
+  auto b0 = static_cast<const char*>(b.data_ptr());
+  auto a1 = a0 + a.nbytes(), b1 = b0 + b.nbytes();
+  return a.nbytes() && b.nbytes() && a0 < b1 && b0 < a1;
+}
+
+std::string seconds(std::chrono::milliseconds ms) {
+  std::ostringstream s;
+  s << ms.count() / 1000.0 << " s";
+  return s.str();
+}
+
+}  // namespace
+
+// ---- the debug agreement check -------------------------------------------------------------
+
+enum CallKind : int32_t { kAllReduce = 1, kAllGather, kReduceScatter, kBroadcast, kBarrier, kGatherBytes,
+                          kBroadcastBytes, kDup, kSplit };
+
+struct MpiCommunicator::Call {
+  int32_t kind = 0;
+  int32_t dtype = -1;   // c10::ScalarType, -1 when none
+  int64_t numel = 0;    // per-rank contribution
+  int64_t extra = 0;    // reduce op or root
+  int64_t sequence = 0;
+
+  bool operator==(const Call& o) const {
+    return kind == o.kind && dtype == o.dtype && numel == o.numel && extra == o.extra &&
+           sequence == o.sequence;
+  }
+  bool operator<(const Call& o) const {
+    return std::tie(kind, dtype, numel, extra, sequence) <
+           std::tie(o.kind, o.dtype, o.numel, o.extra, o.sequence);
+  }
+  std::string describe() const {
+    static const char* names[] = {"?", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                                  "barrier", "all_gather_bytes", "broadcast_bytes", "dup", "split"};
+    std::ostringstream s;
+    s << names[kind >= 0 && kind <= kSplit ? kind : 0] << "(";
+    if (dtype >= 0) s << c10::toString(static_cast<c10::ScalarType>(dtype)) << ", " << numel << " elements";
+    if (kind == kAllReduce || kind == kReduceScatter) s << ", " << to_string(static_cast<ReduceOp>(extra));
+    if (kind == kBroadcast || kind == kBroadcastBytes) s << (dtype >= 0 ? ", " : "") << "root " << extra;
+    s << ") as collective #" << sequence;
+    return s.str();
+  }
+};
+
+void MpiCommunicator::ensure_usable() {
+  if (!failure_.empty()) {
+    throw CommError(c10::str("ztrain: communicator '", name(), "' is unusable after an earlier "
+                             "failure: ", failure_),
+                    world_rank_, "collective", -1);
+  }
+  ++stats_.calls;
+}
+
+void MpiCommunicator::begin(const Call& call) {
+  ensure_usable();
+  ++sequence_;
+  if (!options_.debug) return;
+  Call mine = call;
+  mine.sequence = sequence_;
+  std::vector<Call> all(size_);
+  MPI_Request req;
+  check_mpi(MPI_Iallgather(&mine, sizeof(Call), MPI_BYTE, all.data(), sizeof(Call), MPI_BYTE, comm_, &req),
+            "debug check", -1);
+  wait(req, "debug check", -1);
+  if (std::all_of(all.begin(), all.end(), [&](const Call& c) { return c == all[0]; })) return;
+  std::map<Call, std::vector<int>> groups;
+  for (int r = 0; r < size_; ++r) groups[all[r]].push_back(r);
+  std::ostringstream msg;
+  msg << "ztrain: collective mismatch on communicator '" << name() << "' (debug mode): ";
+  bool first = true;
+  for (auto& [c, ranks] : groups) {
+    msg << (first ? "" : "; ") << (ranks.size() > 1 ? "ranks " : "rank ");
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      msg << (i ? "," : "") << ranks[i];
+      if (world_ranks_[ranks[i]] != ranks[i]) msg << " (world " << world_ranks_[ranks[i]] << ")";
+    }
+    msg << " called " << c.describe();
+    first = false;
+  }
+  msg << ". Every member must make the same collective calls in the same order.";
+  throw Error(msg.str());
+}
+
+// ---- construction --------------------------------------------------------------------------
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, MpiCommunicatorOptions options)
+    : options_(std::move(options)) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  ZTRAIN_CHECK(initialized, "ztrain: MPI is not initialised; call ztrain::init_distributed() first");
+  ZTRAIN_CHECK(options_.timeout.count() > 0, "communicator timeout must be positive, got ",
+               options_.timeout.count(), " ms");
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+  check_mpi(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup", -1);
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  MPI_Group world_group, group;
+  MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+  MPI_Comm_group(comm_, &group);
+  std::vector<int> ranks(size_);
+  for (int i = 0; i < size_; ++i) ranks[i] = i;
+  world_ranks_.resize(size_);
+  MPI_Group_translate_ranks(group, size_, ranks.data(), world_group, world_ranks_.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  (void)custom_ops();
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  // A communicator with an abandoned request cannot be freed safely; leave it to process exit.
+  if (comm_ != MPI_COMM_NULL && !finalized && failure_.empty()) MPI_Comm_free(&comm_);
+}
+
+int MpiCommunicator::world_rank_of(int group_rank) const {
+  ZTRAIN_CHECK(group_rank >= 0 && group_rank < size_, "rank ", group_rank,
+               " is not in communicator '", name(), "' of size ", size_);
+  return world_ranks_[group_rank];
+}
+
+void MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
+  ZTRAIN_CHECK(timeout.count() > 0, "communicator timeout must be positive, got ", timeout.count(), " ms");
+  options_.timeout = timeout;
+}
+
+// ---- waiting and errors --------------------------------------------------------------------
+
+void MpiCommunicator::fail(const std::string& what, const char* op, int peer) {
+  failure_ = what;
+  detail::g_mpi_failure = true;
+  throw CommError(what, world_rank_, op, peer);
+}
+
+void MpiCommunicator::check_mpi(int code, const char* op, int peer) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  fail(c10::str("ztrain: ", op, " on communicator '", name(), "' failed on world rank ", world_rank_,
+                peer >= 0 ? c10::str(" (peer rank ", peer, ")") : std::string(), ": MPI error: ",
+                std::string(text, len)),
+       op, peer);
+}
+
+void MpiCommunicator::wait(MPI_Request& request, const char* op, int peer, MPI_Status* status) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto deadline = start + options_.timeout;
+  for (int64_t polls = 0;; ++polls) {
+    int done = 0;
+    check_mpi(MPI_Test(&request, &done, status), op, peer);
+    if (done) return;
+    if (polls < 256) continue;  // hot: most operations complete within microseconds
+    const auto now = clock::now();
+    if (now >= deadline) {
+      std::string who = peer >= 0 ? c10::str("rank ", peer, " (world rank ", world_ranks_[peer], ")")
+                                  : std::string("a member");
+      fail(c10::str("ztrain: ", op, " on communicator '", name(), "' timed out after ",
+                    seconds(options_.timeout), " on world rank ", world_rank_, " (rank ", rank_,
+                    " of ", size_, "): ", who, " did not take part — it is dead, stuck, or called "
+                    "a different operation (set ZTRAIN_DEBUG_COLLECTIVES=1 to check agreement)"),
+           op, peer);
+    }
+    if (now - start < std::chrono::milliseconds(20)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+// ---- collectives ---------------------------------------------------------------------------
+
+void MpiCommunicator::all_reduce(const torch::Tensor& tensor, ReduceOp op) {
+  constexpr const char* kCall = "all_reduce";
+  check_tensor(tensor, kCall, "tensor");
+  MPI_Op mop = mpi_op(tensor.scalar_type(), op, kCall);
+  begin({kAllReduce, static_cast<int32_t>(tensor.scalar_type()), tensor.numel(), static_cast<int64_t>(op)});
+  stats_.all_reduce_bytes += tensor.nbytes();
+  if (size_ > 1 && tensor.numel() > 0) {
+    MPI_Request req;
+    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()),
+                             mop, comm_, &req), kCall, -1);
+    wait(req, kCall, -1);
+  }
+  if (op == ReduceOp::kAvg && size_ > 1) tensor.div_(size_);
+}
+
+void MpiCommunicator::all_gather(const torch::Tensor& input, const torch::Tensor& output) {
+  constexpr const char* kCall = "all_gather";
+  check_tensor(input, kCall, "input");
+  check_tensor(output, kCall, "output");
+  ZTRAIN_CHECK(input.scalar_type() == output.scalar_type(), "all_gather: input is ", input.scalar_type(),
+               " but output is ", output.scalar_type());
+  ZTRAIN_CHECK(output.numel() == input.numel() * size_, "all_gather: output must hold size() * input.numel() = ",
+               size_, " * ", input.numel(), " = ", size_ * input.numel(), " elements, got ", output.numel());
+  const auto slice_bytes = input.nbytes();
+  const char* own = static_cast<const char*>(output.data_ptr()) + rank_ * slice_bytes;
+  const bool in_place = input.numel() > 0 && input.data_ptr() == own;
+  ZTRAIN_CHECK(in_place || !overlaps(input, output), "all_gather: input overlaps output without being "
+               "this rank's slice of it");
+  begin({kAllGather, static_cast<int32_t>(input.scalar_type()), input.numel(), 0});
+  stats_.all_gather_bytes += slice_bytes;
+  if (input.numel() == 0) return;
+  if (size_ == 1) {
+    if (!in_place) output.copy_(input.view_as(output));
+    return;
+  }
+  auto type = mpi_type(input.scalar_type());
+  MPI_Request req;
+  check_mpi(MPI_Iallgather(in_place ? MPI_IN_PLACE : input.data_ptr(), count(input), type,
+                           output.data_ptr(), count(input), type, comm_, &req), kCall, -1);
+  wait(req, kCall, -1);
+}
+
+void MpiCommunicator::reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op) {
+  constexpr const char* kCall = "reduce_scatter";
+  check_tensor(input, kCall, "input");
+  check_tensor(output, kCall, "output");
+  ZTRAIN_CHECK(input.scalar_type() == output.scalar_type(), "reduce_scatter: input is ", input.scalar_type(),
+               " but output is ", output.scalar_type());
+  ZTRAIN_CHECK(input.numel() == output.numel() * size_, "reduce_scatter: input must hold size() * "
+               "output.numel() = ", size_, " * ", output.numel(), " = ", size_ * output.numel(),
+               " elements, got ", input.numel());
+  ZTRAIN_CHECK(!overlaps(input, output), "reduce_scatter: input and output must not overlap");
+  MPI_Op mop = mpi_op(input.scalar_type(), op, kCall);
+  begin({kReduceScatter, static_cast<int32_t>(input.scalar_type()), output.numel(), static_cast<int64_t>(op)});
+  stats_.reduce_scatter_bytes += input.nbytes();
+  if (output.numel() == 0) return;
+  if (size_ == 1) {
+    output.copy_(input.view_as(output));
+  } else {
+    MPI_Request req;
+    check_mpi(MPI_Ireduce_scatter_block(input.data_ptr(), output.data_ptr(), count(output),
+                                        mpi_type(input.scalar_type()), mop, comm_, &req), kCall, -1);
+    wait(req, kCall, -1);
+  }
+  if (op == ReduceOp::kAvg && size_ > 1) output.div_(size_);
+}
+
+void MpiCommunicator::broadcast(const torch::Tensor& tensor, int root) {
+  constexpr const char* kCall = "broadcast";
+  check_tensor(tensor, kCall, "tensor");
+  ZTRAIN_CHECK(root >= 0 && root < size_, "broadcast: root ", root, " is not a rank of communicator '",
+               name(), "' (size ", size_, ")");
+  begin({kBroadcast, static_cast<int32_t>(tensor.scalar_type()), tensor.numel(), root});
+  if (rank_ == root) stats_.broadcast_bytes += tensor.nbytes();
+  if (size_ == 1 || tensor.numel() == 0) return;
+  MPI_Request req;
+  check_mpi(MPI_Ibcast(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), root, comm_, &req),
+            kCall, root);
+  wait(req, kCall, root);
+}
+
+void MpiCommunicator::send(const torch::Tensor& tensor, int dst, int tag) {
+  constexpr const char* kCall = "send";
+  check_tensor(tensor, kCall, "tensor");
+  ZTRAIN_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send: destination ", dst,
+               " must be another rank of communicator '", name(), "' (size ", size_, ", this rank ", rank_, ")");
+  ZTRAIN_CHECK(tag >= 0, "send: tag must be non-negative, got ", tag);
+  ensure_usable();
+  stats_.send_bytes += tensor.nbytes();
+  MPI_Request req;
+  check_mpi(MPI_Isend(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), dst, tag, comm_, &req),
+            kCall, dst);
+  wait(req, kCall, dst);
+}
+
+void MpiCommunicator::recv(const torch::Tensor& tensor, int src, int tag) {
+  constexpr const char* kCall = "recv";
+  check_tensor(tensor, kCall, "tensor");
+  ZTRAIN_CHECK(src >= 0 && src < size_ && src != rank_, "recv: source ", src,
+               " must be another rank of communicator '", name(), "' (size ", size_, ", this rank ", rank_, ")");
+  ZTRAIN_CHECK(tag >= 0, "recv: tag must be non-negative, got ", tag);
+  ensure_usable();
+  MPI_Request req;
+  check_mpi(MPI_Irecv(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), src, tag, comm_, &req),
+            kCall, src);
+  MPI_Status status;
+  wait(req, kCall, src, &status);
+  int received = 0;
+  MPI_Get_count(&status, mpi_type(tensor.scalar_type()), &received);
+  ZTRAIN_CHECK(received == count(tensor), "recv: expected ", tensor.numel(), " elements of ", tensor.scalar_type(),
+               " from rank ", src, " (tag ", tag, ") but the message held ", received,
+               "; sender and receiver must agree on the shape");
+}
+
+void MpiCommunicator::barrier() {
+  begin({kBarrier});
+  if (size_ == 1) return;
+  MPI_Request req;
+  check_mpi(MPI_Ibarrier(comm_, &req), "barrier", -1);
+  wait(req, "barrier", -1);
+}
+
+std::vector<std::string> MpiCommunicator::all_gather_bytes(std::string_view bytes) {
+  constexpr const char* kCall = "all_gather_bytes";
+  ZTRAIN_CHECK(bytes.size() <= INT_MAX, kCall, ": at most ", INT_MAX, " bytes, got ", bytes.size());
+  begin({kGatherBytes});
+  int64_t mine = static_cast<int64_t>(bytes.size());
+  std::vector<int64_t> sizes(size_);
+  MPI_Request req;
+  check_mpi(MPI_Iallgather(&mine, 1, MPI_INT64_T, sizes.data(), 1, MPI_INT64_T, comm_, &req), kCall, -1);
+  wait(req, kCall, -1);
+  std::vector<int> counts(size_), displs(size_);
+  int64_t total = 0;
+  for (int r = 0; r < size_; ++r) {
+    counts[r] = static_cast<int>(sizes[r]);
+    displs[r] = static_cast<int>(total);
+    total += sizes[r];
+  }
+  ZTRAIN_CHECK(total <= INT_MAX, kCall, ": ", total, " bytes in all exceed the limit of ", INT_MAX);
+  std::string flat(total, '\0');
+  check_mpi(MPI_Iallgatherv(bytes.data(), static_cast<int>(mine), MPI_BYTE, flat.data(), counts.data(),
+                            displs.data(), MPI_BYTE, comm_, &req), kCall, -1);
+  wait(req, kCall, -1);
+  std::vector<std::string> out(size_);
+  for (int r = 0; r < size_; ++r) out[r] = flat.substr(displs[r], counts[r]);
+  return out;
+}
+
+std::string MpiCommunicator::broadcast_bytes(std::string_view bytes, int root) {
+  constexpr const char* kCall = "broadcast_bytes";
+  ZTRAIN_CHECK(root >= 0 && root < size_, kCall, ": root ", root, " is not a rank of communicator '",
+               name(), "' (size ", size_, ")");
+  ZTRAIN_CHECK(bytes.size() <= INT_MAX, kCall, ": at most ", INT_MAX, " bytes, got ", bytes.size());
+  begin({kBroadcastBytes, -1, 0, root});
+  int64_t n = static_cast<int64_t>(bytes.size());
+  MPI_Request req;
+  check_mpi(MPI_Ibcast(&n, 1, MPI_INT64_T, root, comm_, &req), kCall, root);
+  wait(req, kCall, root);
+  std::string out = rank_ == root ? std::string(bytes) : std::string(n, '\0');
+  if (n > 0) {
+    check_mpi(MPI_Ibcast(out.data(), static_cast<int>(n), MPI_BYTE, root, comm_, &req), kCall, root);
+    wait(req, kCall, root);
+  }
+  return out;
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::dup(const std::string& name) {
+  begin({kDup});
+  auto opts = options_;
+  opts.name = name;
+  return std::make_unique<MpiCommunicator>(comm_, opts);
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key, const std::string& name) {
+  ZTRAIN_CHECK(color >= 0, "split: color must be non-negative, got ", color);
+  begin({kSplit});
+  MPI_Comm part = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split(comm_, color, key, &part), "split", -1);
+  auto opts = options_;
+  opts.name = name;
+  auto out = std::make_unique<MpiCommunicator>(part, opts);
+  MPI_Comm_free(&part);
+  return out;
+}
+
+}  // namespace ztrain

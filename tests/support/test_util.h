@@ -1,0 +1,56 @@
+#pragma once
+// Helpers shared by the tests.
+
+#include <ztrain/ztrain.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace ztrain::test {
+
+/// The world size the test was registered for (ZTRAIN_TEST_WORLD_SIZE, set by ztrain_add_test).
+inline int expected_world_size() {
+  const char* v = std::getenv("ZTRAIN_TEST_WORLD_SIZE");
+  return v ? std::atoi(v) : 1;
+}
+
+/// Runs `fn` and returns the message of the ztrain::Error it throws; fails the test if it
+/// throws nothing or something else.
+template <class F>
+std::string error_message(F&& fn) {
+  try {
+    fn();
+  } catch (const ztrain::Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected ztrain::Error, got another exception: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected ztrain::Error, nothing was thrown";
+  return {};
+}
+
+/// Element-wise equality with a readable report of the first difference.
+inline ::testing::AssertionResult tensors_equal(const torch::Tensor& a, const torch::Tensor& b,
+                                                double rtol = 0, double atol = 0) {
+  if (a.sizes() != b.sizes()) {
+    return ::testing::AssertionFailure() << "shapes differ: " << a.sizes() << " vs " << b.sizes();
+  }
+  if (a.scalar_type() != b.scalar_type()) {
+    return ::testing::AssertionFailure() << "dtypes differ: " << a.scalar_type() << " vs " << b.scalar_type();
+  }
+  if (a.numel() == 0) return ::testing::AssertionSuccess();
+  auto x = a.to(torch::kFloat64).reshape(-1), y = b.to(torch::kFloat64).reshape(-1);
+  auto bad = (x - y).abs() > (atol + rtol * y.abs());
+  if (a.scalar_type() == torch::kBool) bad = a.reshape(-1) != b.reshape(-1);
+  if (!bad.any().item<bool>()) return ::testing::AssertionSuccess();
+  auto i = bad.nonzero()[0].item<int64_t>();
+  return ::testing::AssertionFailure() << bad.sum().item<int64_t>() << " of " << a.numel()
+                                       << " elements differ; first at " << i << ": " << x[i].item<double>()
+                                       << " vs " << y[i].item<double>();
+}
+
+}  // namespace ztrain::test
