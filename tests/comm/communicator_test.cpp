@@ -1,0 +1,279 @@
+// Collectives against a reference every rank computes locally: rank r's input is a pure function
+// of (r, dtype, size), so each rank knows every other rank's contribution.
+#include "test_util.h"
+
+#include <ztrain/comm/communicator.h>
+
+using ztrain::ReduceOp;
+using ztrain::test::error_message;
+using ztrain::test::tensors_equal;
+
+namespace {
+
+const std::vector<int64_t> kSizes = {0, 1, 17, 1023, 1 << 20};
+const std::vector<c10::ScalarType> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16, torch::kFloat16,
+                                              torch::kInt32,   torch::kInt64,   torch::kUInt8,    torch::kBool};
+
+ztrain::Communicator& world() { return ztrain::runtime().world(); }
+
+// Integer-valued in [-8, 8) (in [0, 16) for uint8, 0/1 for bool): sums over four ranks stay
+// exact in every dtype, so sum, max and min must match bit for bit whatever order the
+// transport reduces in.
+torch::Tensor input_of(int rank, c10::ScalarType dtype, int64_t n) {
+  auto i = torch::arange(n, torch::kInt64);
+  auto v = (i * 7 + rank * 13 + (i * i) % 5) % 16;
+  if (dtype == torch::kBool) return ((v + rank) % 3 == 0);
+  if (dtype != torch::kUInt8) v = v - 8;
+  return v.to(dtype);
+}
+
+// Random values for the rounding tests of 16-bit floats.
+torch::Tensor random_of(int rank, c10::ScalarType dtype, int64_t n) {
+  auto g = at::detail::createCPUGenerator(1234 + rank);
+  return torch::randn({n}, g, torch::kFloat32).to(dtype);
+}
+
+torch::Tensor reference_reduce(c10::ScalarType dtype, int64_t n, ReduceOp op, int size,
+                               torch::Tensor (*make)(int, c10::ScalarType, int64_t) = input_of) {
+  auto acc = make(0, dtype, n).to(torch::kFloat64);
+  for (int r = 1; r < size; ++r) {
+    auto x = make(r, dtype, n).to(torch::kFloat64);
+    acc = op == ReduceOp::kMax ? torch::maximum(acc, x) : op == ReduceOp::kMin ? torch::minimum(acc, x) : acc + x;
+  }
+  if (op == ReduceOp::kAvg) acc = acc / size;
+  if (dtype == torch::kBool) return acc.ne(0).logical_and(op == ReduceOp::kMin ? acc.eq(acc) : acc.ne(0));
+  if (dtype == torch::kUInt8) return acc.remainder(256).to(dtype);  // uint8 sums wrap, as in torch
+  return acc.to(dtype);
+}
+
+std::vector<ReduceOp> ops_for(c10::ScalarType dtype) {
+  if (c10::isFloatingType(dtype)) return {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin};
+  return {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin};
+}
+
+std::string label(c10::ScalarType dtype, int64_t n, const char* extra = "") {
+  return c10::str(dtype, " n=", n, " ", extra);
+}
+
+}  // namespace
+
+TEST(Communicator, AllReduceEveryDtypeSizeAndOp) {
+  auto& c = world();
+  for (auto dtype : kDtypes) {
+    for (auto n : kSizes) {
+      for (auto op : ops_for(dtype)) {
+        auto t = input_of(c.rank(), dtype, n);
+        c.all_reduce(t, op);
+        auto expected = reference_reduce(dtype, n, op, c.size());
+        if (dtype == torch::kBool && op == ReduceOp::kMin) {  // logical and
+          expected = input_of(0, dtype, n);
+          for (int r = 1; r < c.size(); ++r) expected = expected.logical_and(input_of(r, dtype, n));
+        }
+        // kAvg divides in the dtype: the quotient is exact to the dtype's rounding.
+        double rtol = op == ReduceOp::kAvg && dtype == torch::kBFloat16 ? 1e-2
+                      : op == ReduceOp::kAvg && dtype == torch::kFloat16 ? 1e-3 : 0;
+        EXPECT_TRUE(tensors_equal(t, expected, rtol)) << label(dtype, n, ztrain::to_string(op));
+      }
+    }
+  }
+}
+
+TEST(Communicator, SixteenBitSumsRoundLikeTheirDtype) {
+  // Random operands: each pairwise sum is formed in fp32 and rounded to nearest, so the result
+  // is within a few units in the last place of the exact sum.
+  auto& c = world();
+  for (auto [dtype, tol] : {std::pair{torch::kBFloat16, 2e-2}, std::pair{torch::kFloat16, 3e-3}}) {
+    for (auto n : kSizes) {
+      auto t = random_of(c.rank(), dtype, n);
+      c.all_reduce(t, ReduceOp::kSum);
+      auto exact = reference_reduce(dtype, n, ReduceOp::kSum, c.size(), random_of).to(torch::kFloat64);
+      auto err = (t.to(torch::kFloat64) - exact).abs();
+      auto scale = torch::zeros_like(exact);
+      for (int r = 0; r < c.size(); ++r) scale += random_of(r, dtype, n).to(torch::kFloat64).abs();
+      EXPECT_TRUE((err <= tol * scale + 1e-6).all().item<bool>()) << label(dtype, n);
+    }
+  }
+}
+
+TEST(Communicator, AllGatherEveryDtypeAndSize) {
+  auto& c = world();
+  for (auto dtype : kDtypes) {
+    for (auto n : kSizes) {
+      auto in = input_of(c.rank(), dtype, n);
+      auto out = torch::empty({n * c.size()}, in.options());
+      c.all_gather(in, out);
+      std::vector<torch::Tensor> parts;
+      for (int r = 0; r < c.size(); ++r) parts.push_back(input_of(r, dtype, n));
+      EXPECT_TRUE(tensors_equal(out, torch::cat(parts))) << label(dtype, n);
+      EXPECT_TRUE(tensors_equal(c.all_gather(in), torch::cat(parts))) << label(dtype, n, "allocating");
+    }
+  }
+}
+
+TEST(Communicator, AllGatherInPlaceFromOwnSlice) {
+  auto& c = world();
+  const int64_t n = 1023;
+  auto out = torch::full({n * c.size()}, -1.0f);
+  auto own = out.narrow(0, c.rank() * n, n);
+  own.copy_(input_of(c.rank(), torch::kFloat32, n));
+  c.all_gather(own, out);
+  std::vector<torch::Tensor> parts;
+  for (int r = 0; r < c.size(); ++r) parts.push_back(input_of(r, torch::kFloat32, n));
+  EXPECT_TRUE(tensors_equal(out, torch::cat(parts)));
+}
+
+TEST(Communicator, ReduceScatterEveryDtypeSizeAndOp) {
+  auto& c = world();
+  for (auto dtype : kDtypes) {
+    if (dtype == torch::kBool) continue;  // covered below: logical reductions
+    for (auto n : kSizes) {
+      for (auto op : ops_for(dtype)) {
+        auto in = input_of(c.rank(), dtype, n * c.size());
+        auto out = torch::empty({n}, in.options());
+        c.reduce_scatter(in, out, op);
+        auto expected = reference_reduce(dtype, n * c.size(), op, c.size()).narrow(0, c.rank() * n, n);
+        double rtol = op == ReduceOp::kAvg && dtype == torch::kBFloat16 ? 1e-2
+                      : op == ReduceOp::kAvg && dtype == torch::kFloat16 ? 1e-3 : 0;
+        EXPECT_TRUE(tensors_equal(out, expected, rtol)) << label(dtype, n, ztrain::to_string(op));
+      }
+    }
+  }
+  auto flags = input_of(c.rank(), torch::kBool, 17 * c.size());
+  auto any = c.reduce_scatter(flags, ReduceOp::kMax);
+  auto expected = input_of(0, torch::kBool, 17 * c.size());
+  for (int r = 1; r < c.size(); ++r) expected = expected.logical_or(input_of(r, torch::kBool, 17 * c.size()));
+  EXPECT_TRUE(tensors_equal(any, expected.narrow(0, c.rank() * 17, 17)));
+}
+
+TEST(Communicator, BroadcastFromEveryRoot) {
+  auto& c = world();
+  for (auto dtype : kDtypes) {
+    for (auto n : kSizes) {
+      for (int root = 0; root < c.size(); ++root) {
+        auto t = input_of(c.rank(), dtype, n);
+        c.broadcast(t, root);
+        EXPECT_TRUE(tensors_equal(t, input_of(root, dtype, n))) << label(dtype, n) << " root " << root;
+      }
+    }
+  }
+}
+
+TEST(Communicator, SendRecvAroundTheRing) {
+  auto& c = world();
+  if (c.size() == 1) GTEST_SKIP() << "point-to-point needs two ranks";
+  const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
+  for (auto dtype : kDtypes) {
+    for (auto n : kSizes) {
+      auto out = input_of(c.rank(), dtype, n);
+      auto in = torch::empty_like(out);
+      // Even ranks send first, odd ranks receive first: no reliance on buffering.
+      if (c.rank() % 2 == 0) {
+        c.send(out, next, 3);
+        c.recv(in, prev, 3);
+      } else {
+        c.recv(in, prev, 3);
+        c.send(out, next, 3);
+      }
+      EXPECT_TRUE(tensors_equal(in, input_of(prev, dtype, n))) << label(dtype, n);
+    }
+  }
+}
+
+TEST(Communicator, RecvOfTheWrongSizeIsReported) {
+  auto& c = world();
+  if (c.size() == 1) GTEST_SKIP() << "point-to-point needs two ranks";
+  auto comm = c.dup("p2p-size");  // a mismatch may leave the communicator unusable
+  if (comm->rank() == 0) comm->send(torch::ones({5}), 1, 9);
+  if (comm->rank() == 1) {
+    auto msg = error_message([&] { comm->recv(torch::empty({7}), 0, 9); });
+    EXPECT_NE(msg.find("expected 7 elements"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("held 5"), std::string::npos) << msg;
+  }
+  c.barrier();
+}
+
+TEST(Communicator, BytesAndObjects) {
+  auto& c = world();
+  auto mine = std::string(c.rank() * 3, static_cast<char>('a' + c.rank()));
+  auto all = c.all_gather_bytes(mine);
+  ASSERT_EQ(static_cast<int>(all.size()), c.size());
+  for (int r = 0; r < c.size(); ++r) EXPECT_EQ(all[r], std::string(r * 3, static_cast<char>('a' + r)));
+  for (int root = 0; root < c.size(); ++root) {
+    EXPECT_EQ(c.broadcast_bytes(c.rank() == root ? "hello from the root" : "", root), "hello from the root");
+  }
+  struct Meta { int64_t step; double lr; };
+  auto metas = c.all_gather_object(Meta{c.rank() * 10, 0.5 * c.rank()});
+  for (int r = 0; r < c.size(); ++r) {
+    EXPECT_EQ(metas[r].step, r * 10);
+    EXPECT_EQ(metas[r].lr, 0.5 * r);
+  }
+  EXPECT_EQ(c.broadcast_object(Meta{c.rank() + 100, 1.0}, c.size() - 1).step, c.size() - 1 + 100);
+  EXPECT_EQ(c.all_reduce_scalar(static_cast<int64_t>(c.rank() + 1)), static_cast<int64_t>(c.size() * (c.size() + 1) / 2));
+  EXPECT_EQ(c.all_reduce_scalar(static_cast<double>(c.rank()), ReduceOp::kMax), c.size() - 1.0);
+}
+
+TEST(Communicator, StatsCountBytesHandedToTheTransport) {
+  auto& c = world();
+  auto comm = c.dup("stats");
+  comm->all_reduce(torch::zeros({100}));
+  comm->all_gather(torch::zeros({10}));
+  comm->reduce_scatter(torch::zeros({8 * comm->size()}, torch::kFloat64));
+  auto s = comm->stats();
+  EXPECT_EQ(s.all_reduce_bytes, 400);
+  EXPECT_EQ(s.all_gather_bytes, 40);
+  EXPECT_EQ(s.reduce_scatter_bytes, 64 * comm->size());
+  EXPECT_EQ(s.total_bytes(), 400 + 40 + 64 * comm->size());
+  comm->reset_stats();
+  EXPECT_EQ(comm->stats().total_bytes(), 0);
+}
+
+TEST(Communicator, SplitFormsGroupsByColor) {
+  auto& c = world();
+  auto half = c.split(c.rank() % 2, c.rank(), "parity");
+  EXPECT_EQ(half->size(), (c.size() + 1 - c.rank() % 2) / 2);
+  EXPECT_EQ(half->world_rank_of(half->rank()), c.rank());
+  auto t = torch::tensor({static_cast<int64_t>(c.rank())});
+  half->all_reduce(t);
+  int64_t expected = 0;
+  for (int r = c.rank() % 2; r < c.size(); r += 2) expected += r;
+  EXPECT_EQ(t.item<int64_t>(), expected);
+}
+
+// ---- bad input: every rank makes the same mistake, so nobody is left waiting --------------
+
+TEST(CommunicatorErrors, NonContiguousTensorIsRejectedNotCopied) {
+  auto t = torch::zeros({4, 6}).t();
+  auto msg = error_message([&] { world().all_reduce(t); });
+  EXPECT_NE(msg.find("must be contiguous"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("all_reduce"), std::string::npos) << msg;
+}
+
+TEST(CommunicatorErrors, WrongOutputSizeIsRejected) {
+  auto& c = world();
+  auto msg = error_message([&] { c.all_gather(torch::zeros({5}), torch::zeros({5 * c.size() + 1})); });
+  EXPECT_NE(msg.find("output must hold"), std::string::npos) << msg;
+  msg = error_message([&] { c.reduce_scatter(torch::zeros({5 * c.size() + 1}), torch::zeros({5})); });
+  EXPECT_NE(msg.find("input must hold"), std::string::npos) << msg;
+  msg = error_message([&] { c.all_gather(torch::zeros({5}), torch::zeros({5 * c.size()}, torch::kFloat64)); });
+  EXPECT_NE(msg.find("input is Float but output is Double"), std::string::npos) << msg;
+  msg = error_message([&] { c.reduce_scatter(torch::zeros({5 * c.size() + 1})); });
+  EXPECT_NE(msg.find("does not divide"), std::string::npos) << msg;
+}
+
+TEST(CommunicatorErrors, UnsupportedRequestsAreRejected) {
+  auto& c = world();
+  auto msg = error_message([&] { c.all_reduce(torch::zeros({3}, torch::kInt32), ReduceOp::kAvg); });
+  EXPECT_NE(msg.find("kAvg needs a floating dtype"), std::string::npos) << msg;
+  msg = error_message([&] { c.all_reduce(torch::zeros({3}, torch::kComplexFloat)); });
+  EXPECT_NE(msg.find("is not supported"), std::string::npos) << msg;
+  msg = error_message([&] { c.broadcast(torch::zeros({3}), c.size()); });
+  EXPECT_NE(msg.find("is not a rank"), std::string::npos) << msg;
+  msg = error_message([&] { c.send(torch::zeros({3}), c.rank()); });
+  EXPECT_NE(msg.find("must be another rank"), std::string::npos) << msg;
+  msg = error_message([&] { c.all_reduce(torch::Tensor()); });
+  EXPECT_NE(msg.find("undefined"), std::string::npos) << msg;
+  // The communicator is still usable after rejected input.
+  auto t = torch::ones({2});
+  c.all_reduce(t);
+  EXPECT_EQ(t[0].item<float>(), static_cast<float>(c.size()));
+}
