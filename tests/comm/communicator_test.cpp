@@ -19,8 +19,9 @@ ztrain::Communicator& world() { return ztrain::runtime().world(); }
 // Integer-valued in [-8, 8) (in [0, 16) for uint8, 0/1 for bool): sums over four ranks stay
 // exact in every dtype, so sum, max and min must match bit for bit whatever order the
 // transport reduces in.
-torch::Tensor input_of(int rank, c10::ScalarType dtype, int64_t n) {
-  auto i = torch::arange(n, torch::kInt64);
+// `offset` starts the pattern part-way, so a slice of a long input can be rebuilt on its own.
+torch::Tensor input_of(int rank, c10::ScalarType dtype, int64_t n, int64_t offset = 0) {
+  auto i = torch::arange(offset, offset + n, torch::kInt64);
   auto v = (i * 7 + rank * 13 + (i * i) % 5) % 16;
   if (dtype == torch::kBool) return ((v + rank) % 3 == 0);
   if (dtype != torch::kUInt8) v = v - 8;
@@ -28,20 +29,21 @@ torch::Tensor input_of(int rank, c10::ScalarType dtype, int64_t n) {
 }
 
 // Random values for the rounding tests of 16-bit floats.
-torch::Tensor random_of(int rank, c10::ScalarType dtype, int64_t n) {
+torch::Tensor random_of(int rank, c10::ScalarType dtype, int64_t n, int64_t = 0) {
   auto g = at::detail::createCPUGenerator(1234 + rank);
   return torch::randn({n}, g, torch::kFloat32).to(dtype);
 }
 
 torch::Tensor reference_reduce(c10::ScalarType dtype, int64_t n, ReduceOp op, int size,
-                               torch::Tensor (*make)(int, c10::ScalarType, int64_t) = input_of) {
-  auto acc = make(0, dtype, n).to(torch::kFloat64);
+                               torch::Tensor (*make)(int, c10::ScalarType, int64_t, int64_t) = input_of,
+                               int64_t offset = 0) {
+  auto acc = make(0, dtype, n, offset).to(torch::kFloat64);
   for (int r = 1; r < size; ++r) {
-    auto x = make(r, dtype, n).to(torch::kFloat64);
+    auto x = make(r, dtype, n, offset).to(torch::kFloat64);
     acc = op == ReduceOp::kMax ? torch::maximum(acc, x) : op == ReduceOp::kMin ? torch::minimum(acc, x) : acc + x;
   }
   if (op == ReduceOp::kAvg) acc = acc / size;
-  if (dtype == torch::kBool) return acc.ne(0).logical_and(op == ReduceOp::kMin ? acc.eq(acc) : acc.ne(0));
+  if (dtype == torch::kBool) return acc.ne(0);  // max/sum: logical or; min: logical and
   if (dtype == torch::kUInt8) return acc.remainder(256).to(dtype);  // uint8 sums wrap, as in torch
   return acc.to(dtype);
 }
@@ -65,10 +67,6 @@ TEST(Communicator, AllReduceEveryDtypeSizeAndOp) {
         auto t = input_of(c.rank(), dtype, n);
         c.all_reduce(t, op);
         auto expected = reference_reduce(dtype, n, op, c.size());
-        if (dtype == torch::kBool && op == ReduceOp::kMin) {  // logical and
-          expected = input_of(0, dtype, n);
-          for (int r = 1; r < c.size(); ++r) expected = expected.logical_and(input_of(r, dtype, n));
-        }
         // kAvg divides in the dtype: the quotient is exact to the dtype's rounding.
         double rtol = op == ReduceOp::kAvg && dtype == torch::kBFloat16 ? 1e-2
                       : op == ReduceOp::kAvg && dtype == torch::kFloat16 ? 1e-3 : 0;
@@ -131,7 +129,7 @@ TEST(Communicator, ReduceScatterEveryDtypeSizeAndOp) {
         auto in = input_of(c.rank(), dtype, n * c.size());
         auto out = torch::empty({n}, in.options());
         c.reduce_scatter(in, out, op);
-        auto expected = reference_reduce(dtype, n * c.size(), op, c.size()).narrow(0, c.rank() * n, n);
+        auto expected = reference_reduce(dtype, n, op, c.size(), input_of, c.rank() * n);
         double rtol = op == ReduceOp::kAvg && dtype == torch::kBFloat16 ? 1e-2
                       : op == ReduceOp::kAvg && dtype == torch::kFloat16 ? 1e-3 : 0;
         EXPECT_TRUE(tensors_equal(out, expected, rtol)) << label(dtype, n, ztrain::to_string(op));
@@ -256,8 +254,10 @@ TEST(CommunicatorErrors, WrongOutputSizeIsRejected) {
   EXPECT_NE(msg.find("input must hold"), std::string::npos) << msg;
   msg = error_message([&] { c.all_gather(torch::zeros({5}), torch::zeros({5 * c.size()}, torch::kFloat64)); });
   EXPECT_NE(msg.find("input is Float but output is Double"), std::string::npos) << msg;
-  msg = error_message([&] { c.reduce_scatter(torch::zeros({5 * c.size() + 1})); });
-  EXPECT_NE(msg.find("does not divide"), std::string::npos) << msg;
+  if (c.size() > 1) {
+    msg = error_message([&] { c.reduce_scatter(torch::zeros({5 * c.size() + 1})); });
+    EXPECT_NE(msg.find("does not divide"), std::string::npos) << msg;
+  }
 }
 
 TEST(CommunicatorErrors, UnsupportedRequestsAreRejected) {

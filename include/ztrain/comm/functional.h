@@ -3,9 +3,13 @@
 /// gradients stay exact when a model's computation spans ranks (tensor parallelism, sharded
 /// parameters).
 ///
-/// The adjoints assume the quantity being differentiated is the sum over the group of each
-/// rank's loss (the convention of Megatron-LM). All functions are collective over `comm`, in
-/// forward and again in backward.
+/// Two conventions, one per use. The flat trio (all_gather, reduce_scatter, all_reduce) serves
+/// data-parallel and sharded-parameter code: ranks compute different losses and the objective
+/// is their sum, so a tensor every rank consumed gets the sum of their gradients. The *_group
+/// functions are Megatron-LM's tensor-parallel regions: the ranks of the group compute one
+/// replicated loss, so replicated activations carry the same gradient everywhere and no
+/// gradient is counted twice. All functions are collective over `comm`, in forward and again
+/// in backward.
 ///
 /// | function          | forward                          | backward                        |
 /// |-------------------|----------------------------------|---------------------------------|

@@ -246,8 +246,9 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, MpiCommunicatorOptions options)
 MpiCommunicator::~MpiCommunicator() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  // A communicator with an abandoned request cannot be freed safely; leave it to process exit.
-  if (comm_ != MPI_COMM_NULL && !finalized && failure_.empty()) MPI_Comm_free(&comm_);
+  // After a failure anywhere, requests may be abandoned and peers gone: freeing could block, so
+  // the handle is left to process exit.
+  if (comm_ != MPI_COMM_NULL && !finalized && !detail::mpi_failure_seen()) MPI_Comm_free(&comm_);
 }
 
 int MpiCommunicator::world_rank_of(int group_rank) const {

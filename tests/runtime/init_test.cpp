@@ -1,0 +1,114 @@
+// Initialisation, in the order a program meets it: calls before init fail clearly, a rejected
+// configuration can be corrected, the runtime then answers every query, and a second init fails.
+// The tests depend on running in this order (gtest keeps definition order).
+#include "test_util.h"
+
+#include <cstdlib>
+
+using namespace std::chrono_literals;
+using ztrain::test::error_message;
+
+TEST(Init, CallsBeforeInitNameInitDistributed) {
+  EXPECT_FALSE(ztrain::is_initialized());
+  for (auto msg : {error_message([] { ztrain::runtime(); }), error_message([] { ztrain::rank(); }),
+                   error_message([] { ztrain::synchronize(); }),
+                   error_message([] { ztrain::sum_loss(torch::ones({})); })}) {
+    EXPECT_NE(msg.find("call ztrain::init_distributed()"), std::string::npos) << msg;
+  }
+}
+
+TEST(Init, RejectsTopologiesThatDoNotDivideTheWorld) {
+  const int world = ztrain::test::expected_world_size();
+  auto msg = error_message([&] { ztrain::init_distributed({.tp_size = world + 1}); });
+  EXPECT_NE(msg.find("does not divide the world size " + std::to_string(world)), std::string::npos) << msg;
+  msg = error_message([&] { ztrain::init_distributed({.tp_size = 1, .pp_size = world + 1}); });
+  EXPECT_NE(msg.find("pp_size (" + std::to_string(world + 1) + ")"), std::string::npos) << msg;
+  msg = error_message([&] { ztrain::init_distributed({.pp_size = 0}); });
+  EXPECT_NE(msg.find("pp_size must be at least 1"), std::string::npos) << msg;
+  msg = error_message([&] { ztrain::init_distributed({.threads = 0}); });
+  EXPECT_NE(msg.find("threads must be at least 1"), std::string::npos) << msg;
+  msg = error_message([&] { ztrain::init_distributed({.timeout = -1ms}); });
+  EXPECT_NE(msg.find("timeout must be positive"), std::string::npos) << msg;
+  EXPECT_FALSE(ztrain::is_initialized());
+}
+
+TEST(Init, BuildsTheTopologyAndItsCommunicators) {
+  const int world = ztrain::test::expected_world_size();
+  const int tp = world % 2 == 0 ? 2 : 1;
+  setenv("ZTRAIN_TIMEOUT_S", "42", 1);
+  setenv("ZTRAIN_DEBUG_COLLECTIVES", "1", 1);
+  auto& rt = ztrain::init_distributed({.seed = 5, .tp_size = tp, .threads = 1});
+  unsetenv("ZTRAIN_DEBUG_COLLECTIVES");
+  ASSERT_TRUE(ztrain::is_initialized());
+  EXPECT_EQ(rt.world_size(), world);
+  EXPECT_EQ(ztrain::world_size(), world);
+  EXPECT_EQ(ztrain::rank(), rt.rank());
+  EXPECT_EQ(rt.timeout(), 42s);
+  EXPECT_EQ(rt.world().timeout(), 42s);
+  EXPECT_TRUE(rt.debug_collectives());
+  EXPECT_TRUE(rt.world().debug());
+  EXPECT_EQ(rt.threads(), 1);
+  EXPECT_EQ(at::get_num_threads(), 1);
+  EXPECT_EQ(rt.local_size(), world);  // every rank of the test runs on this host
+  EXPECT_EQ(rt.seed(), 5u);
+
+  const auto& t = rt.topology();
+  EXPECT_EQ(t.tp_size(), tp);
+  EXPECT_EQ(t.dp_size(), world / tp);
+  auto check = [&](ztrain::Communicator& c, const std::vector<int>& members, int my_index, const char* name) {
+    EXPECT_EQ(c.name(), name);
+    ASSERT_EQ(c.size(), static_cast<int>(members.size())) << name;
+    EXPECT_EQ(c.rank(), my_index) << name;
+    for (int i = 0; i < c.size(); ++i) EXPECT_EQ(c.world_rank_of(i), members[i]) << name;
+    // The communicator really connects those ranks: the sum of their world ranks.
+    auto s = torch::tensor({static_cast<int64_t>(rt.rank())});
+    c.all_reduce(s);
+    EXPECT_EQ(s.item<int64_t>(), std::accumulate(members.begin(), members.end(), int64_t{0})) << name;
+  };
+  std::vector<int> everyone(world);
+  std::iota(everyone.begin(), everyone.end(), 0);
+  check(rt.world(), everyone, rt.rank(), "world");
+  check(rt.tp(), t.tp_group(rt.rank()), rt.tp_rank(), "tp");
+  check(rt.dp(), t.dp_group(rt.rank()), rt.dp_rank(), "dp");
+  check(rt.pp(), t.pp_group(rt.rank()), rt.pp_rank(), "pp");
+  check(rt.stage(), t.stage_group(rt.rank()), rt.rank(), "stage");
+}
+
+TEST(Init, SecondInitIsAnError) {
+  auto msg = error_message([] { ztrain::init_distributed(); });
+  EXPECT_NE(msg.find("already called"), std::string::npos) << msg;
+}
+
+TEST(Init, DefaultGeneratorDiffersAcrossReplicasAndAgreesAcrossTensorParallelRanks) {
+  auto& rt = ztrain::runtime();
+  auto draw = torch::rand({4}, torch::kFloat64);
+  auto all = rt.world().all_gather(draw).view({rt.world_size(), 4});
+  for (int r = 0; r < rt.world_size(); ++r) {
+    auto c = rt.topology().coord(r);
+    bool same_replica = c.dp == rt.dp_rank() && c.pp == rt.pp_rank();
+    EXPECT_EQ(torch::equal(all[r], draw), same_replica) << "rank " << r;
+  }
+}
+
+TEST(Init, SumLossIsTheMeanOverDataParallelRanks) {
+  auto& rt = ztrain::runtime();
+  auto loss = torch::tensor(static_cast<float>(rt.dp_rank() + 1));
+  auto mean = ztrain::sum_loss(loss);
+  EXPECT_EQ(mean.dim(), 0);
+  EXPECT_EQ(mean.scalar_type(), torch::kFloat32);
+  EXPECT_FLOAT_EQ(mean.item<float>(), (rt.topology().dp_size() + 1) / 2.0f);
+  auto msg = error_message([] { ztrain::sum_loss(torch::ones({2})); });
+  EXPECT_NE(msg.find("expected a scalar loss"), std::string::npos) << msg;
+}
+
+TEST(Init, PrintRankPrintsOnOneRankOnly) {
+  testing::internal::CaptureStdout();
+  ztrain::print_rank("step ", 3, " loss ", 1.5);
+  ztrain::print_on(ztrain::world_size() - 1, "last");
+  auto out = testing::internal::GetCapturedStdout();
+  std::string expected;
+  if (ztrain::rank() == 0) expected += "step 3 loss 1.5\n";
+  if (ztrain::rank() == ztrain::world_size() - 1) expected += "last\n";
+  EXPECT_EQ(out, expected);
+  ztrain::synchronize();
+}
