@@ -3,6 +3,7 @@
 #include "test_util.h"
 
 #include <ztrain/comm/communicator.h>
+#include <ztrain/comm/mpi/communicator.h>
 
 using ztrain::ReduceOp;
 using ztrain::test::error_message;
@@ -57,12 +58,12 @@ std::string label(c10::ScalarType dtype, int64_t n, const char* extra = "") {
   return c10::str(dtype, " n=", n, " ", extra);
 }
 
-}  // namespace
 
-TEST(Communicator, AllReduceEveryDtypeSizeAndOp) {
-  auto& c = world();
+// The checks take the communicator and sizes so they can run on the default communicator (MPI's
+// collectives below the ring threshold, rings above it) and on ones forced to either path.
+void check_all_reduce(ztrain::Communicator& c, const std::vector<int64_t>& sizes) {
   for (auto dtype : kDtypes) {
-    for (auto n : kSizes) {
+    for (auto n : sizes) {
       for (auto op : ops_for(dtype)) {
         auto t = input_of(c.rank(), dtype, n);
         c.all_reduce(t, op);
@@ -70,10 +71,63 @@ TEST(Communicator, AllReduceEveryDtypeSizeAndOp) {
         // kAvg divides in the dtype: the quotient is exact to the dtype's rounding.
         double rtol = op == ReduceOp::kAvg && dtype == torch::kBFloat16 ? 1e-2
                       : op == ReduceOp::kAvg && dtype == torch::kFloat16 ? 1e-3 : 0;
-        EXPECT_TRUE(tensors_equal(t, expected, rtol)) << label(dtype, n, ztrain::to_string(op));
+        EXPECT_TRUE(tensors_equal(t, expected, rtol)) << c.name() << " " << label(dtype, n, ztrain::to_string(op));
       }
     }
   }
+}
+
+void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes) {
+  for (auto dtype : kDtypes) {
+    for (auto n : sizes) {
+      auto in = input_of(c.rank(), dtype, n);
+      auto out = torch::empty({n * c.size()}, in.options());
+      c.all_gather(in, out);
+      std::vector<torch::Tensor> parts;
+      for (int r = 0; r < c.size(); ++r) parts.push_back(input_of(r, dtype, n));
+      EXPECT_TRUE(tensors_equal(out, torch::cat(parts))) << c.name() << " " << label(dtype, n);
+      EXPECT_TRUE(tensors_equal(c.all_gather(in), torch::cat(parts))) << c.name() << " " << label(dtype, n, "allocating");
+    }
+  }
+}
+
+void check_reduce_scatter(ztrain::Communicator& c, const std::vector<int64_t>& sizes) {
+  for (auto dtype : kDtypes) {
+    for (auto n : sizes) {
+      for (auto op : ops_for(dtype)) {
+        auto in = input_of(c.rank(), dtype, n * c.size());
+        auto out = torch::empty({n}, in.options());
+        c.reduce_scatter(in, out, op);
+        auto expected = reference_reduce(dtype, n, op, c.size(), input_of, c.rank() * n);
+        double rtol = op == ReduceOp::kAvg && dtype == torch::kBFloat16 ? 1e-2
+                      : op == ReduceOp::kAvg && dtype == torch::kFloat16 ? 1e-3 : 0;
+        EXPECT_TRUE(tensors_equal(out, expected, rtol)) << c.name() << " " << label(dtype, n, ztrain::to_string(op));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(Communicator, AllReduceEveryDtypeSizeAndOp) { check_all_reduce(world(), kSizes); }
+TEST(Communicator, AllGatherEveryDtypeAndSize) { check_all_gather(world(), kSizes); }
+TEST(Communicator, ReduceScatterEveryDtypeSizeAndOp) { check_reduce_scatter(world(), kSizes); }
+
+TEST(Communicator, RingsAtSmallAndUnevenSizes) {
+  auto ring = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "ring", .timeout = world().timeout(),
+                                                       .ring_threshold_bytes = 1});
+  const std::vector<int64_t> small = {0, 1, 2, 3, 17, 1023};
+  check_all_reduce(ring, small);
+  check_all_gather(ring, small);
+  check_reduce_scatter(ring, small);
+}
+
+TEST(Communicator, MpiCollectivesAtLargeSizes) {
+  auto mpi = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "mpi", .timeout = world().timeout(),
+                                                      .ring_threshold_bytes = INT64_MAX});
+  check_all_reduce(mpi, {1 << 20});
+  check_all_gather(mpi, {1 << 20});
+  check_reduce_scatter(mpi, {1 << 20});
 }
 
 TEST(Communicator, SixteenBitSumsRoundLikeTheirDtype) {
@@ -93,21 +147,6 @@ TEST(Communicator, SixteenBitSumsRoundLikeTheirDtype) {
   }
 }
 
-TEST(Communicator, AllGatherEveryDtypeAndSize) {
-  auto& c = world();
-  for (auto dtype : kDtypes) {
-    for (auto n : kSizes) {
-      auto in = input_of(c.rank(), dtype, n);
-      auto out = torch::empty({n * c.size()}, in.options());
-      c.all_gather(in, out);
-      std::vector<torch::Tensor> parts;
-      for (int r = 0; r < c.size(); ++r) parts.push_back(input_of(r, dtype, n));
-      EXPECT_TRUE(tensors_equal(out, torch::cat(parts))) << label(dtype, n);
-      EXPECT_TRUE(tensors_equal(c.all_gather(in), torch::cat(parts))) << label(dtype, n, "allocating");
-    }
-  }
-}
-
 TEST(Communicator, AllGatherInPlaceFromOwnSlice) {
   auto& c = world();
   const int64_t n = 1023;
@@ -120,22 +159,8 @@ TEST(Communicator, AllGatherInPlaceFromOwnSlice) {
   EXPECT_TRUE(tensors_equal(out, torch::cat(parts)));
 }
 
-TEST(Communicator, ReduceScatterEveryDtypeSizeAndOp) {
+TEST(Communicator, ReduceScatterOfFlagsIsLogical) {
   auto& c = world();
-  for (auto dtype : kDtypes) {
-    if (dtype == torch::kBool) continue;  // covered below: logical reductions
-    for (auto n : kSizes) {
-      for (auto op : ops_for(dtype)) {
-        auto in = input_of(c.rank(), dtype, n * c.size());
-        auto out = torch::empty({n}, in.options());
-        c.reduce_scatter(in, out, op);
-        auto expected = reference_reduce(dtype, n, op, c.size(), input_of, c.rank() * n);
-        double rtol = op == ReduceOp::kAvg && dtype == torch::kBFloat16 ? 1e-2
-                      : op == ReduceOp::kAvg && dtype == torch::kFloat16 ? 1e-3 : 0;
-        EXPECT_TRUE(tensors_equal(out, expected, rtol)) << label(dtype, n, ztrain::to_string(op));
-      }
-    }
-  }
   auto flags = input_of(c.rank(), torch::kBool, 17 * c.size());
   auto any = c.reduce_scatter(flags, ReduceOp::kMax);
   auto expected = input_of(0, torch::kBool, 17 * c.size());

@@ -282,12 +282,16 @@ void MpiCommunicator::check_mpi(int code, const char* op, int peer) {
 }
 
 void MpiCommunicator::wait(MPI_Request& request, const char* op, int peer, MPI_Status* status) {
+  wait_all(&request, 1, op, peer, status == MPI_STATUS_IGNORE ? MPI_STATUSES_IGNORE : status);
+}
+
+void MpiCommunicator::wait_all(MPI_Request* requests, int count, const char* op, int peer, MPI_Status* statuses) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   const auto deadline = start + options_.timeout;
   for (int64_t polls = 0;; ++polls) {
     int done = 0;
-    check_mpi(MPI_Test(&request, &done, status), op, peer);
+    check_mpi(MPI_Testall(count, requests, &done, statuses), op, peer);
     if (done) return;
     if (polls < 256) continue;  // hot: most operations complete within microseconds
     const auto now = clock::now();
@@ -308,6 +312,98 @@ void MpiCommunicator::wait(MPI_Request& request, const char* op, int peer, MPI_S
   }
 }
 
+// ---- rings -----------------------------------------------------------------------------------
+//
+// A ring over n ranks moves (n-1)/n of the buffer through every rank, the least any algorithm
+// can (the "bus bandwidth" bound). Segment i of a flat buffer is [bounds[i], bounds[i+1]).
+//
+// reduce_scatter: at step s (0 ≤ s < n-1) rank r sends its partial sum of segment r-s-1 to rank
+// r+1 and receives rank r-1's partial sum of segment r-s-2, to which it adds its own input. At
+// step 0 the "partial sum" sent is the rank's own input; after n-1 steps the segment received
+// last, r-n ≡ r, holds the sum over all ranks. all_gather: at step s rank r forwards segment
+// r-s, which it already holds, and receives segment r-s-1.
+
+namespace {
+
+constexpr int kRingTag = kMaxUserTag + 1;
+
+torch::Tensor segment(const torch::Tensor& flat, const std::vector<int64_t>& bounds, int i) {
+  return flat.narrow(0, bounds[i], bounds[i + 1] - bounds[i]);
+}
+
+std::vector<int64_t> even_bounds(int64_t numel, int n) {
+  std::vector<int64_t> b(n + 1);
+  for (int i = 0; i <= n; ++i) b[i] = numel * i / n;
+  return b;
+}
+
+// dst = a (op) b, elementwise, with libtorch's kernels (16-bit floats computed in fp32 and
+// rounded to nearest even, as the custom MPI operations do).
+void combine(const torch::Tensor& dst, const torch::Tensor& a, const torch::Tensor& b, ReduceOp op) {
+  if (dst.scalar_type() == at::kBool) {
+    if (op == ReduceOp::kMin) {
+      at::logical_and_out(const_cast<torch::Tensor&>(dst), a, b);
+    } else {
+      at::logical_or_out(const_cast<torch::Tensor&>(dst), a, b);
+    }
+    return;
+  }
+  auto& out = const_cast<torch::Tensor&>(dst);
+  switch (op) {
+    case ReduceOp::kMax: at::maximum_out(out, a, b); break;
+    case ReduceOp::kMin: at::minimum_out(out, a, b); break;
+    default: at::add_out(out, a, b); break;
+  }
+}
+
+}  // namespace
+
+void MpiCommunicator::ring_exchange(const torch::Tensor& out, const torch::Tensor& in, const char* op,
+                                    const std::function<void()>& overlap) {
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  const auto type = mpi_type(out.scalar_type());
+  MPI_Request reqs[2];
+  check_mpi(MPI_Irecv(in.data_ptr(), count(in), type, prev, kRingTag, comm_, &reqs[0]), op, prev);
+  check_mpi(MPI_Isend(out.data_ptr(), count(out), type, next, kRingTag, comm_, &reqs[1]), op, next);
+  if (overlap) overlap();
+  wait_all(reqs, 2, op, prev);
+}
+
+void MpiCommunicator::ring_reduce_scatter(const torch::Tensor& input, const std::vector<int64_t>& bounds,
+                                          const torch::Tensor& output, ReduceOp op, const char* call) {
+  const int n = size_, r = rank_;
+  int64_t largest = 0;
+  for (int i = 0; i < n; ++i) largest = std::max(largest, bounds[i + 1] - bounds[i]);
+  auto received = torch::empty({largest}, input.options());
+  torch::Tensor partial[2] = {torch::empty({n > 2 ? largest : 0}, input.options()),
+                              torch::empty({n > 2 ? largest : 0}, input.options())};
+  for (int s = 0; s < n - 1; ++s) {
+    const int send_idx = ((r - s - 1) % n + n) % n, recv_idx = ((r - s - 2) % n + n) % n;
+    const int64_t send_len = bounds[send_idx + 1] - bounds[send_idx];
+    const int64_t recv_len = bounds[recv_idx + 1] - bounds[recv_idx];
+    auto out = s == 0 ? segment(input, bounds, send_idx) : partial[(s - 1) % 2].narrow(0, 0, send_len);
+    auto in = received.narrow(0, 0, recv_len);
+    ring_exchange(out, in, call);
+    auto dst = s == n - 2 ? output : partial[s % 2].narrow(0, 0, recv_len);
+    combine(dst, in, segment(input, bounds, recv_idx), op);
+  }
+}
+
+void MpiCommunicator::ring_all_gather(const torch::Tensor& output, const std::vector<int64_t>& bounds,
+                                      const torch::Tensor& own_input, const char* call) {
+  const int n = size_, r = rank_;
+  auto own = segment(output, bounds, r);
+  const bool copy_own = own_input.defined() && own_input.data_ptr() != own.data_ptr();
+  for (int s = 0; s < n - 1; ++s) {
+    const int send_idx = ((r - s) % n + n) % n, recv_idx = ((r - s - 1) % n + n) % n;
+    // Step 0 sends straight from the caller's input and copies it into place meanwhile.
+    auto out = s == 0 && copy_own ? own_input : segment(output, bounds, send_idx);
+    std::function<void()> overlap;
+    if (s == 0 && copy_own) overlap = [&] { own.copy_(own_input.view(-1)); };
+    ring_exchange(out, segment(output, bounds, recv_idx), call, overlap);
+  }
+}
+
 // ---- collectives ---------------------------------------------------------------------------
 
 void MpiCommunicator::all_reduce(const torch::Tensor& tensor, ReduceOp op) {
@@ -316,7 +412,13 @@ void MpiCommunicator::all_reduce(const torch::Tensor& tensor, ReduceOp op) {
   MPI_Op mop = mpi_op(tensor.scalar_type(), op, kCall);
   begin({kAllReduce, static_cast<int32_t>(tensor.scalar_type()), tensor.numel(), static_cast<int64_t>(op)});
   stats_.all_reduce_bytes += tensor.nbytes();
-  if (size_ > 1 && tensor.numel() > 0) {
+  if (use_ring(tensor.nbytes()) && tensor.numel() >= size_) {
+    // Reduce-scatter into this rank's segment (in place), then all-gather the segments.
+    auto flat = tensor.view(-1);
+    auto bounds = even_bounds(flat.numel(), size_);
+    ring_reduce_scatter(flat, bounds, segment(flat, bounds, rank_), op, kCall);
+    ring_all_gather(flat, bounds, torch::Tensor(), kCall);
+  } else if (size_ > 1 && tensor.numel() > 0) {
     MPI_Request req;
     check_mpi(MPI_Iallreduce(MPI_IN_PLACE, tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()),
                              mop, comm_, &req), kCall, -1);
@@ -345,6 +447,10 @@ void MpiCommunicator::all_gather(const torch::Tensor& input, const torch::Tensor
     if (!in_place) output.copy_(input.view_as(output));
     return;
   }
+  if (use_ring(output.nbytes())) {
+    ring_all_gather(output.view(-1), even_bounds(output.numel(), size_), input, kCall);
+    return;
+  }
   auto type = mpi_type(input.scalar_type());
   MPI_Request req;
   check_mpi(MPI_Iallgather(in_place ? MPI_IN_PLACE : input.data_ptr(), count(input), type,
@@ -368,6 +474,8 @@ void MpiCommunicator::reduce_scatter(const torch::Tensor& input, const torch::Te
   if (output.numel() == 0) return;
   if (size_ == 1) {
     output.copy_(input.view_as(output));
+  } else if (use_ring(input.nbytes())) {
+    ring_reduce_scatter(input.view(-1), even_bounds(input.numel(), size_), output.view(-1), op, kCall);
   } else {
     MPI_Request req;
     check_mpi(MPI_Ireduce_scatter_block(input.data_ptr(), output.data_ptr(), count(output),
@@ -396,7 +504,7 @@ void MpiCommunicator::send(const torch::Tensor& tensor, int dst, int tag) {
   check_tensor(tensor, kCall, "tensor");
   ZTRAIN_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send: destination ", dst,
                " must be another rank of communicator '", name(), "' (size ", size_, ", this rank ", rank_, ")");
-  ZTRAIN_CHECK(tag >= 0, "send: tag must be non-negative, got ", tag);
+  ZTRAIN_CHECK(tag >= 0 && tag <= kMaxUserTag, "send: tag must be in [0, ", kMaxUserTag, "], got ", tag);
   ensure_usable();
   stats_.send_bytes += tensor.nbytes();
   MPI_Request req;
@@ -410,7 +518,7 @@ void MpiCommunicator::recv(const torch::Tensor& tensor, int src, int tag) {
   check_tensor(tensor, kCall, "tensor");
   ZTRAIN_CHECK(src >= 0 && src < size_ && src != rank_, "recv: source ", src,
                " must be another rank of communicator '", name(), "' (size ", size_, ", this rank ", rank_, ")");
-  ZTRAIN_CHECK(tag >= 0, "recv: tag must be non-negative, got ", tag);
+  ZTRAIN_CHECK(tag >= 0 && tag <= kMaxUserTag, "recv: tag must be in [0, ", kMaxUserTag, "], got ", tag);
   ensure_usable();
   MPI_Request req;
   check_mpi(MPI_Irecv(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), src, tag, comm_, &req),

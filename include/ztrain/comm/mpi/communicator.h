@@ -1,11 +1,15 @@
 #pragma once
 /// The MPI backend of ztrain::Communicator.
 ///
-/// Collectives run as non-blocking MPI operations (MPI_Iallreduce, MPI_Iallgather,
-/// MPI_Ireduce_scatter_block, MPI_Ibcast, MPI_Isend/MPI_Irecv, MPI_Ibarrier) completed by a
-/// polling wait with a deadline, so a dead or stuck peer surfaces as ztrain::CommError instead
-/// of a hang. bf16 and f16 reductions use custom MPI operations that accumulate each pair in
-/// fp32 and round to nearest even.
+/// Every operation is non-blocking MPI completed by a polling wait with a deadline, so a dead or
+/// stuck peer surfaces as ztrain::CommError instead of a hang. Small collectives use MPI's own
+/// (MPI_Iallreduce, MPI_Iallgather, MPI_Ireduce_scatter_block, MPI_Ibcast, MPI_Ibarrier), with
+/// custom MPI operations for bf16 and f16 that form each pairwise result in fp32 and round to
+/// nearest even. From `ring_threshold_bytes` on, all_gather, reduce_scatter and all_reduce run
+/// as bandwidth-optimal rings of MPI_Isend/MPI_Irecv between neighbours, reducing with
+/// libtorch's kernels (same rounding); on one host each hop is a single copy (CMA).
+///
+/// Point-to-point tags must lie in [0, kMaxUserTag]; the tag above is reserved for the rings.
 ///
 /// The communicator duplicates the MPI_Comm it is given and frees its duplicate on destruction.
 /// MPI must have been initialised with MPI_THREAD_MULTIPLE when several communicators are used
@@ -16,6 +20,7 @@
 #include <mpi.h>
 
 #include <atomic>
+#include <functional>
 
 namespace ztrain {
 
@@ -23,7 +28,13 @@ struct MpiCommunicatorOptions {
   std::string name = "world";
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
   bool debug = false;
+  /// Messages of at least this many bytes (the full buffer: all_reduce's tensor, all_gather's
+  /// output, reduce_scatter's input) use the ring algorithms.
+  int64_t ring_threshold_bytes = 256 * 1024;
 };
+
+/// Largest tag send() and recv() accept.
+constexpr int kMaxUserTag = 32766;
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -65,6 +76,17 @@ class MpiCommunicator final : public Communicator {
   void ensure_usable();
   void begin(const Call& call);
   void wait(MPI_Request& request, const char* op, int peer, MPI_Status* status = MPI_STATUS_IGNORE);
+  void wait_all(MPI_Request* requests, int count, const char* op, int peer,
+                MPI_Status* statuses = MPI_STATUSES_IGNORE);
+  bool use_ring(int64_t bytes) const { return size_ > 1 && bytes >= options_.ring_threshold_bytes; }
+  // Sends `out` to the next rank while receiving `in` from the previous one; `overlap` runs
+  // while the transfer is in flight.
+  void ring_exchange(const torch::Tensor& out, const torch::Tensor& in, const char* op,
+                     const std::function<void()>& overlap = {});
+  void ring_reduce_scatter(const torch::Tensor& input, const std::vector<int64_t>& bounds,
+                           const torch::Tensor& output, ReduceOp op, const char* call);
+  void ring_all_gather(const torch::Tensor& output, const std::vector<int64_t>& bounds,
+                       const torch::Tensor& own_input, const char* call);
   void check_mpi(int code, const char* op, int peer);
   [[noreturn]] void fail(const std::string& what, const char* op, int peer);
 
