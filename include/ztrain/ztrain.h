@@ -12,3 +12,4 @@
 #include <ztrain/error.h>
 #include <ztrain/runtime/runtime.h>
 #include <ztrain/version.h>
+#include <ztrain/zero/flat_param.h>
