@@ -30,26 +30,16 @@ int Topology::rank_of(Coord c) const {
   return (c.pp * dp_ + c.dp) * tp_ + c.tp;
 }
 
-std::vector<int> Topology::tp_group(int rank) const {
+std::vector<int> Topology::group_along(int rank, int Coord::*axis, int size) const {
   auto c = coord(rank);
   std::vector<int> out;
-  for (c.tp = 0; c.tp < tp_; ++c.tp) out.push_back(rank_of(c));
+  for (c.*axis = 0; c.*axis < size; ++(c.*axis)) out.push_back(rank_of(c));
   return out;
 }
 
-std::vector<int> Topology::dp_group(int rank) const {
-  auto c = coord(rank);
-  std::vector<int> out;
-  for (c.dp = 0; c.dp < dp_; ++c.dp) out.push_back(rank_of(c));
-  return out;
-}
-
-std::vector<int> Topology::pp_group(int rank) const {
-  auto c = coord(rank);
-  std::vector<int> out;
-  for (c.pp = 0; c.pp < pp_; ++c.pp) out.push_back(rank_of(c));
-  return out;
-}
+std::vector<int> Topology::tp_group(int rank) const { return group_along(rank, &Coord::tp, tp_); }
+std::vector<int> Topology::dp_group(int rank) const { return group_along(rank, &Coord::dp, dp_); }
+std::vector<int> Topology::pp_group(int rank) const { return group_along(rank, &Coord::pp, pp_); }
 
 std::vector<int> Topology::stage_group(int rank) const {
   auto c = coord(rank);

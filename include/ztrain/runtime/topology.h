@@ -42,6 +42,8 @@ class Topology {
 
  private:
   void check_rank(int rank) const;
+  // Ranks that share `rank`'s coordinates except along `axis`, in order along it.
+  std::vector<int> group_along(int rank, int Coord::*axis, int size) const;
   int world_, tp_, dp_, pp_;
 };
 

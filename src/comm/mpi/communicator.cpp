@@ -499,13 +499,18 @@ void MpiCommunicator::broadcast(const torch::Tensor& tensor, int root) {
   wait(req, kCall, root);
 }
 
+void MpiCommunicator::check_point_to_point(const torch::Tensor& tensor, const char* call, const char* role,
+                                           int peer, int tag) {
+  check_tensor(tensor, call, "tensor");
+  ZTRAIN_CHECK(peer >= 0 && peer < size_ && peer != rank_, call, ": ", role, " ", peer,
+               " must be another rank of communicator '", name(), "' (size ", size_, ", this rank ", rank_, ")");
+  ZTRAIN_CHECK(tag >= 0 && tag <= kMaxUserTag, call, ": tag must be in [0, ", kMaxUserTag, "], got ", tag);
+  ensure_usable();
+}
+
 void MpiCommunicator::send(const torch::Tensor& tensor, int dst, int tag) {
   constexpr const char* kCall = "send";
-  check_tensor(tensor, kCall, "tensor");
-  ZTRAIN_CHECK(dst >= 0 && dst < size_ && dst != rank_, "send: destination ", dst,
-               " must be another rank of communicator '", name(), "' (size ", size_, ", this rank ", rank_, ")");
-  ZTRAIN_CHECK(tag >= 0 && tag <= kMaxUserTag, "send: tag must be in [0, ", kMaxUserTag, "], got ", tag);
-  ensure_usable();
+  check_point_to_point(tensor, kCall, "destination", dst, tag);
   stats_.send_bytes += tensor.nbytes();
   MPI_Request req;
   check_mpi(MPI_Isend(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), dst, tag, comm_, &req),
@@ -515,11 +520,7 @@ void MpiCommunicator::send(const torch::Tensor& tensor, int dst, int tag) {
 
 void MpiCommunicator::recv(const torch::Tensor& tensor, int src, int tag) {
   constexpr const char* kCall = "recv";
-  check_tensor(tensor, kCall, "tensor");
-  ZTRAIN_CHECK(src >= 0 && src < size_ && src != rank_, "recv: source ", src,
-               " must be another rank of communicator '", name(), "' (size ", size_, ", this rank ", rank_, ")");
-  ZTRAIN_CHECK(tag >= 0 && tag <= kMaxUserTag, "recv: tag must be in [0, ", kMaxUserTag, "], got ", tag);
-  ensure_usable();
+  check_point_to_point(tensor, kCall, "source", src, tag);
   MPI_Request req;
   check_mpi(MPI_Irecv(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), src, tag, comm_, &req),
             kCall, src);

@@ -74,6 +74,7 @@ class MpiCommunicator final : public Communicator {
  private:
   struct Call;  // what a collective is about to do; exchanged in debug mode
   void ensure_usable();
+  void check_point_to_point(const torch::Tensor& tensor, const char* call, const char* role, int peer, int tag);
   void begin(const Call& call);
   void wait(MPI_Request& request, const char* op, int peer, MPI_Status* status = MPI_STATUS_IGNORE);
   void wait_all(MPI_Request* requests, int count, const char* op, int peer,
