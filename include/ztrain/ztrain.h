@@ -10,6 +10,8 @@
 ///   }
 #include <ztrain/comm/comm.h>
 #include <ztrain/error.h>
+#include <ztrain/optim/loss_scaler.h>
+#include <ztrain/optim/lr_scheduler.h>
 #include <ztrain/runtime/runtime.h>
 #include <ztrain/version.h>
 #include <ztrain/zero/flat_param.h>
