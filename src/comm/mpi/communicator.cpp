@@ -374,19 +374,34 @@ void MpiCommunicator::ring_reduce_scatter(const torch::Tensor& input, const std:
   const int n = size_, r = rank_;
   int64_t largest = 0;
   for (int i = 0; i < n; ++i) largest = std::max(largest, bounds[i + 1] - bounds[i]);
-  auto received = torch::empty({largest}, input.options());
-  torch::Tensor partial[2] = {torch::empty({n > 2 ? largest : 0}, input.options()),
-                              torch::empty({n > 2 ? largest : 0}, input.options())};
+  // The last step receives straight into `output` and adds this rank's input there, unless the
+  // output is this rank's own input segment (in-place all_reduce). Only then, and for the
+  // partial sums of rings longer than two, is scratch needed; it is kept between calls, since
+  // fresh pages for every large call cost more than the copy itself.
+  const bool output_is_own_input = output.data_ptr() == segment(input, bounds, r).data_ptr();
+  const int64_t received_len = output_is_own_input || n > 2 ? largest : 0;
+  const int64_t partial_len = n > 2 ? largest : 0;
+  auto scratch = scratch_for(input.scalar_type(), received_len + 2 * partial_len);
+  auto received = scratch.narrow(0, 0, received_len);
+  torch::Tensor partial[2] = {scratch.narrow(0, received_len, partial_len),
+                              scratch.narrow(0, received_len + partial_len, partial_len)};
   for (int s = 0; s < n - 1; ++s) {
     const int send_idx = ((r - s - 1) % n + n) % n, recv_idx = ((r - s - 2) % n + n) % n;
     const int64_t send_len = bounds[send_idx + 1] - bounds[send_idx];
     const int64_t recv_len = bounds[recv_idx + 1] - bounds[recv_idx];
+    const bool last = s == n - 2;
     auto out = s == 0 ? segment(input, bounds, send_idx) : partial[(s - 1) % 2].narrow(0, 0, send_len);
-    auto in = received.narrow(0, 0, recv_len);
+    auto in = last && !output_is_own_input ? output : received.narrow(0, 0, recv_len);
     ring_exchange(out, in, call);
-    auto dst = s == n - 2 ? output : partial[s % 2].narrow(0, 0, recv_len);
+    auto dst = last ? output : partial[s % 2].narrow(0, 0, recv_len);
     combine(dst, in, segment(input, bounds, recv_idx), op);
   }
+}
+
+torch::Tensor MpiCommunicator::scratch_for(c10::ScalarType dtype, int64_t numel) {
+  auto& buffer = scratch_[dtype];
+  if (!buffer.defined() || buffer.numel() < numel) buffer = torch::empty({numel}, torch::dtype(dtype));
+  return buffer.narrow(0, 0, numel);
 }
 
 void MpiCommunicator::ring_all_gather(const torch::Tensor& output, const std::vector<int64_t>& bounds,

@@ -10,6 +10,8 @@
 /// libtorch's kernels (same rounding); on one host each hop is a single copy (CMA).
 ///
 /// Point-to-point tags must lie in [0, kMaxUserTag]; the tag above is reserved for the rings.
+/// Ring reduce-scatter keeps a scratch buffer between calls (none at two ranks out of place;
+/// up to 3/n of the input otherwise).
 ///
 /// The communicator duplicates the MPI_Comm it is given and frees its duplicate on destruction.
 /// MPI must have been initialised with MPI_THREAD_MULTIPLE when several communicators are used
@@ -21,6 +23,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 
 namespace ztrain {
 
@@ -86,6 +89,8 @@ class MpiCommunicator final : public Communicator {
                      const std::function<void()>& overlap = {});
   void ring_reduce_scatter(const torch::Tensor& input, const std::vector<int64_t>& bounds,
                            const torch::Tensor& output, ReduceOp op, const char* call);
+  // A reusable buffer of at least `numel` elements (ring partial sums).
+  torch::Tensor scratch_for(c10::ScalarType dtype, int64_t numel);
   void ring_all_gather(const torch::Tensor& output, const std::vector<int64_t>& bounds,
                        const torch::Tensor& own_input, const char* call);
   void check_mpi(int code, const char* op, int peer);
@@ -100,6 +105,7 @@ class MpiCommunicator final : public Communicator {
   int64_t sequence_ = 0;      // collectives issued, for debug messages
   std::string failure_;       // non-empty once a call failed: the communicator is unusable
   CommStats stats_;
+  std::map<c10::ScalarType, torch::Tensor> scratch_;
 };
 
 namespace detail {
