@@ -366,7 +366,9 @@ void MpiCommunicator::ring_exchange(const torch::Tensor& out, const torch::Tenso
   check_mpi(MPI_Irecv(in.data_ptr(), count(in), type, prev, kRingTag, comm_, &reqs[0]), op, prev);
   check_mpi(MPI_Isend(out.data_ptr(), count(out), type, next, kRingTag, comm_, &reqs[1]), op, next);
   if (overlap) overlap();
-  wait_all(reqs, 2, op, prev);
+  // A stall anywhere in the ring reaches every rank through its neighbour, so the neighbour is
+  // not named as the culprit: the wait reports the collective as a whole.
+  wait_all(reqs, 2, op, -1);
 }
 
 void MpiCommunicator::ring_reduce_scatter(const torch::Tensor& input, const std::vector<int64_t>& bounds,
