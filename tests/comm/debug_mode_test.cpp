@@ -2,6 +2,8 @@
 // instead of hanging or silently mixing data.
 #include "test_util.h"
 
+#include <ztrain/comm/mpi/communicator.h>
+
 using ztrain::test::error_message;
 
 namespace {
@@ -54,6 +56,17 @@ TEST(DebugMode, DifferentSizesDtypesAndRootsAreCaught) {
   EXPECT_NE(msg.find("root 1"), std::string::npos) << msg;
   msg = error_message([&] { comm->all_reduce(torch::ones({4}), last ? ztrain::ReduceOp::kMax : ztrain::ReduceOp::kSum); });
   EXPECT_NE(msg.find("all_reduce(Float, 4 elements, max)"), std::string::npos) << msg;
+}
+
+TEST(DebugMode, DifferentRingThresholdsAreCaught) {
+  // Ranks configured differently would pick different algorithms for the same call and stall.
+  auto& world = ztrain::runtime().world();
+  if (world.size() == 1) GTEST_SKIP() << "a mismatch needs two ranks";
+  ztrain::MpiCommunicator comm(MPI_COMM_WORLD, {.name = "thresholds", .timeout = world.timeout(), .debug = true,
+                                                .ring_threshold_bytes = world.rank() == 0 ? 1024 : 4096});
+  auto msg = error_message([&] { comm.all_reduce(torch::ones({512}), ztrain::ReduceOp::kSum); });
+  EXPECT_NE(msg.find("rank 0 called all_reduce(Float, 512 elements, sum) as collective #1 with rings from 1024 bytes"),
+            std::string::npos) << msg;
 }
 
 TEST(DebugMode, OnByDefaultFromTheEnvironmentOrOptions) {

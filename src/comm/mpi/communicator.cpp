@@ -156,15 +156,11 @@ struct MpiCommunicator::Call {
   int64_t numel = 0;    // per-rank contribution
   int64_t extra = 0;    // reduce op or root
   int64_t sequence = 0;
+  int64_t ring_threshold = 0;  // ranks must agree, or they would run different algorithms
 
-  bool operator==(const Call& o) const {
-    return kind == o.kind && dtype == o.dtype && numel == o.numel && extra == o.extra &&
-           sequence == o.sequence;
-  }
-  bool operator<(const Call& o) const {
-    return std::tie(kind, dtype, numel, extra, sequence) <
-           std::tie(o.kind, o.dtype, o.numel, o.extra, o.sequence);
-  }
+  auto key() const { return std::tie(kind, dtype, numel, extra, sequence, ring_threshold); }
+  bool operator==(const Call& o) const { return key() == o.key(); }
+  bool operator<(const Call& o) const { return key() < o.key(); }
   std::string describe() const {
     static const char* names[] = {"?", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                   "barrier", "all_gather_bytes", "broadcast_bytes", "dup", "split"};
@@ -173,7 +169,7 @@ struct MpiCommunicator::Call {
     if (dtype >= 0) s << c10::toString(static_cast<c10::ScalarType>(dtype)) << ", " << numel << " elements";
     if (kind == kAllReduce || kind == kReduceScatter) s << ", " << to_string(static_cast<ReduceOp>(extra));
     if (kind == kBroadcast || kind == kBroadcastBytes) s << (dtype >= 0 ? ", " : "") << "root " << extra;
-    s << ") as collective #" << sequence;
+    s << ") as collective #" << sequence << " with rings from " << ring_threshold << " bytes";
     return s.str();
   }
 };
@@ -193,6 +189,7 @@ void MpiCommunicator::begin(const Call& call) {
   if (!options_.debug) return;
   Call mine = call;
   mine.sequence = sequence_;
+  mine.ring_threshold = options_.ring_threshold_bytes;
   std::vector<Call> all(size_);
   MPI_Request req;
   check_mpi(MPI_Iallgather(&mine, sizeof(Call), MPI_BYTE, all.data(), sizeof(Call), MPI_BYTE, comm_, &req),
