@@ -56,7 +56,9 @@ constexpr int64_t kKiB = 1024, kMiB = 1024 * kKiB;
 constexpr int64_t kGoalMinBytes = 16 * kMiB;  // the goal: busbw >= kGoalRatio * memcpy from here on
 constexpr double kGoalRatio = 0.5;
 constexpr double kGB = 1e9;  // bandwidths in GB/s = 1e9 bytes/s, as NCCL-tests
-const std::vector<std::string> kOps = {"all_gather", "reduce_scatter", "all_reduce"};
+// all_gather_in_place gathers into a buffer whose own slice already holds this rank's input, as
+// ZeRO gathers a flat parameter: no local copy of the own slice.
+const std::vector<std::string> kOps = {"all_gather", "all_gather_in_place", "reduce_scatter", "all_reduce"};
 
 struct BenchOptions {
   int64_t min_bytes = kKiB;
@@ -167,13 +169,14 @@ Collective make_collective(const std::string& op, Communicator& comm, int64_t si
       x.zero_();  // the timed calls sum in place: keep the values from growing
       return error;
     };
-  } else if (op == "all_gather") {
-    auto in = torch::empty({shard}), out = torch::empty({shard * n});
+  } else if (op == "all_gather" || op == "all_gather_in_place") {
+    auto out = torch::empty({shard * n});
+    auto in = op == "all_gather" ? torch::empty({shard}) : out.narrow(0, r * shard, shard);
     c.bytes = out.nbytes();
     c.call = [&comm, in, out] { comm.all_gather(in, out); };
     c.check = [&comm, in, out, n, r] {
-      in.copy_(pattern(in.numel()) * (r + 1));
       out.fill_(-1);
+      in.copy_(pattern(in.numel()) * (r + 1));
       comm.all_gather(in, out);
       std::vector<torch::Tensor> want;
       for (int q = 0; q < n; ++q) want.push_back(pattern(in.numel()) * (q + 1));
@@ -301,7 +304,7 @@ void print_configuration(ztrain::Runtime& rt, const BenchOptions& o) {
 
 void print_header(const std::string& op, int ranks) {
   std::printf("\n# %s, %d ranks, %s\n%12s %9s %7s %10s %10s %10s %8s %8s %8s %7s\n", op.c_str(), ranks,
-              op == "all_reduce" ? "in place" : "out of place", "bytes", "size", "iters", "time_us", "p10_us",
+              op == "all_reduce" || op == "all_gather_in_place" ? "in place" : "out of place", "bytes", "size", "iters", "time_us", "p10_us",
               "p90_us", "algbw", "busbw", "memcpy", "bus/cpy");
   std::printf("%12s %9s %7s %10s %10s %10s %8s %8s %8s %7s\n", "", "", "", "median", "", "", "GB/s", "GB/s",
               "GB/s", "");
