@@ -5,12 +5,11 @@
 
 using ztrain::test::error_message;
 using ztrain::test::tensors_equal;
+using ztrain::test::kDtypes;
+using ztrain::test::kSizes;
 
 namespace {
 
-const std::vector<int64_t> kSizes = {0, 1, 17, 1023, 1 << 20};
-const std::vector<c10::ScalarType> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16, torch::kFloat16,
-                                              torch::kInt32,   torch::kInt64,   torch::kUInt8,    torch::kBool};
 
 ztrain::Communicator& world() { return ztrain::runtime().world(); }
 

@@ -11,6 +11,13 @@
 
 namespace ztrain::test {
 
+/// The sizes and dtypes every communication test covers: empty, one element, odd, tail-length
+/// and large (which takes the ring algorithms).
+inline const std::vector<int64_t> kSizes = {0, 1, 17, 1023, 1 << 20};
+inline const std::vector<c10::ScalarType> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16,
+                                                     torch::kFloat16, torch::kInt32,   torch::kInt64,
+                                                     torch::kUInt8,   torch::kBool};
+
 /// The world size the test was registered for (ZTRAIN_TEST_WORLD_SIZE, set by ztrain_add_test).
 inline int expected_world_size() {
   const char* v = std::getenv("ZTRAIN_TEST_WORLD_SIZE");
