@@ -14,4 +14,8 @@
 #include <ztrain/optim/lr_scheduler.h>
 #include <ztrain/runtime/runtime.h>
 #include <ztrain/version.h>
+#include <ztrain/zero/block.h>
+#include <ztrain/zero/block_list.h>
+#include <ztrain/zero/distributed_parameter.h>
 #include <ztrain/zero/flat_param.h>
+#include <ztrain/zero/sharded_module.h>

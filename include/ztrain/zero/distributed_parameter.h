@@ -1,0 +1,61 @@
+#pragma once
+/// DistributedParameter: one sharded parameter outside any block (a token embedding, a final
+/// norm), gathered once per forward.
+///
+/// `forward()` (or calling the holder) returns the full tensor. The first call of a forward
+/// gathers it; later calls before its backward return the same tensor, so a weight used twice
+/// (an embedding tied to the LM head) is gathered once and its gradient — the sum over both
+/// uses — reduce-scattered once. Levels as Block (default 2: the gathered tensor is kept until
+/// its backward; at level 3 each use owns a copy instead). The returned tensor is valid until
+/// the backward that consumes it.
+///
+/// Checkpoints and initialisation see the parameter under `<module path>.<name>` with its full
+/// shape; `parameters()` returns the shard an optimizer updates. Construction is collective
+/// over the data-parallel group (the value is broadcast from dp rank 0), so is every forward.
+///
+///   struct GptImpl : torch::nn::Module {
+///     ztrain::DistributedParameter wte{torch::randn({256, 64}) * 0.02};
+///     GptImpl() { register_module("wte", wte); }                // saved as "wte.weight"
+///     torch::Tensor forward(torch::Tensor ids) {
+///       auto w = wte();
+///       return torch::matmul(torch::embedding(w, ids), w.t());  // tied: one gather
+///     }
+///   };
+
+#include <ztrain/zero/sharded_module.h>
+
+namespace ztrain {
+
+struct DistributedParameterOptions {
+  int zero_level = 2;
+  /// The parameter's name inside this module.
+  std::string name = "weight";
+  bool requires_grad = true;
+};
+
+class DistributedParameterImpl : public ShardedModule {
+ public:
+  explicit DistributedParameterImpl(torch::Tensor value, DistributedParameterOptions options = {});
+
+  /// The full tensor (see above).
+  torch::Tensor forward();
+  const std::string& name() const { return name_; }
+
+ private:
+  void on_backward() override { cached_ = torch::Tensor(); }
+
+  std::string name_;
+  torch::Tensor cached_;
+  bool cached_with_grad_ = false;
+  std::vector<int64_t> cached_versions_;
+};
+
+/// The module holder of DistributedParameterImpl.
+class DistributedParameter : public torch::nn::ModuleHolder<DistributedParameterImpl> {
+ public:
+  using torch::nn::ModuleHolder<DistributedParameterImpl>::ModuleHolder;
+  DistributedParameter(torch::Tensor value, DistributedParameterOptions options = {})
+      : ModuleHolder(std::make_shared<DistributedParameterImpl>(std::move(value), std::move(options))) {}
+};
+
+}  // namespace ztrain

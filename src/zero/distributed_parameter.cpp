@@ -1,0 +1,46 @@
+#include <ztrain/zero/distributed_parameter.h>
+
+#include <ztrain/error.h>
+
+namespace ztrain {
+
+namespace {
+struct HolderImpl : torch::nn::Module {
+  HolderImpl(const std::string& name, torch::Tensor value, bool requires_grad) {
+    ZTRAIN_CHECK(value.defined(), "DistributedParameter: the value is undefined");
+    ZTRAIN_CHECK(!name.empty() && name.find('.') == std::string::npos,
+                 "DistributedParameter: the name must be non-empty and contain no '.', got '", name, "'");
+    param = register_parameter(name, value.detach().clone(), requires_grad);
+  }
+  torch::Tensor param;
+};
+
+std::vector<int64_t> shard_versions(const std::vector<ShardGroup>& groups) {
+  std::vector<int64_t> v;
+  for (const auto& g : groups) v.push_back(g.shard._version());
+  return v;
+}
+}  // namespace
+
+DistributedParameterImpl::DistributedParameterImpl(torch::Tensor value, DistributedParameterOptions options)
+    : ShardedModule(std::make_shared<HolderImpl>(options.name, std::move(value), options.requires_grad),
+                    {.zero_level = options.zero_level, .use_checkpoint = false, .prefetch_depth = 0},
+                    "DistributedParameter"),
+      name_(options.name) {}
+
+torch::Tensor DistributedParameterImpl::forward() {
+  const bool with_grad = torch::GradMode::is_enabled();
+  const bool reusable = cached_.defined() && cached_with_grad_ == with_grad &&
+                        cached_versions_ == shard_versions(groups()) &&
+                        (!with_grad || last_call_pending_backward());
+  if (reusable) return cached_;
+  auto holder = std::static_pointer_cast<HolderImpl>(wrapped());
+  auto out = run([holder](const std::vector<torch::Tensor>&) { return std::vector<torch::Tensor>{holder->param.view_as(holder->param)}; },
+                 {});
+  cached_ = out[0];
+  cached_with_grad_ = with_grad;
+  cached_versions_ = shard_versions(groups());
+  return cached_;
+}
+
+}  // namespace ztrain

@@ -1,0 +1,617 @@
+#include <ztrain/zero/sharded_module.h>
+
+#include <ztrain/comm/comm_stream.h>
+#include <ztrain/error.h>
+#include <ztrain/runtime/init.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <deque>
+#include <mutex>
+#include <sstream>
+#include <unordered_set>
+
+// How it works
+//
+// Forward runs the wrapped module inside one custom autograd node (ShardedBackward). The
+// node's inputs are the tensor arguments that require grad; its outputs are detached copies
+// of the module's outputs with the node as grad_fn. Without recomputation the module runs on
+// detached inputs with grad enabled, building an inner graph the node keeps; with it, the
+// module runs without grad and the node keeps the inputs and the CPU generator state. When
+// the engine reaches the node, it (re)builds the inner graph and runs a nested backward with
+// the wrapped parameters' .grad preset to views of one zeroed flat gradient buffer per group,
+// so the engine accumulates straight into the buffer. The buffer is then reduced on the
+// reduction stream (all-reduce at level 0, reduce-scatter otherwise, both a mean over dp) and
+// a callback queued on the engine adds the results to the shards' .grad before backward()
+// returns; at most kMaxPendingReductions buffers are in flight.
+//
+// Levels 2 and 3 release the full buffers by detaching their StorageImpl from its memory and
+// later attaching fresh memory to the same StorageImpl: the parameters and every tensor the
+// inner graph saved point at that StorageImpl, so they see the refilled values, and version
+// counters are untouched because nothing writes through a tensor.
+
+namespace ztrain {
+namespace detail {
+
+namespace {
+constexpr size_t kMaxPendingReductions = 4;
+
+void free_storage(const torch::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(0);
+}
+
+void allocate_storage(const torch::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  const size_t nbytes = t.numel() * t.element_size();
+  if (impl->nbytes() == nbytes && (nbytes == 0 || impl->data() != nullptr)) return;
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+  impl->set_nbytes(nbytes);
+}
+
+/// A tensor over `base`'s storage at `offset` with `shape`, contiguous, without view tracking.
+torch::Tensor alias(const torch::Tensor& base, int64_t offset, at::IntArrayRef shape) {
+  torch::NoGradGuard no_grad;
+  auto t = torch::empty({0}, base.options());
+  t.set_(base.storage(), offset, shape, c10::contiguous_strides(shape));
+  return t;
+}
+
+std::string describe(const std::string& name, c10::ScalarType dtype, at::IntArrayRef shape, bool rg) {
+  return c10::str(name, " ", dtype, " ", shape, rg ? "" : " frozen");
+}
+}  // namespace
+
+/// The streams and pending gradient reductions shared by all sharded modules of a process.
+class ZeroContext : public std::enable_shared_from_this<ZeroContext> {
+ public:
+  explicit ZeroContext(Communicator& dp) : dp_(dp), gather_(dp, "zero.gather"), reduce_(dp, "zero.reduce") {}
+
+  static std::shared_ptr<ZeroContext> get(bool create = true) {
+    static std::mutex mutex;
+    static std::weak_ptr<ZeroContext> shared;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto existing = shared.lock()) return existing;
+    if (!create) return nullptr;
+    auto created = std::make_shared<ZeroContext>(runtime().dp());
+    shared = created;
+    return created;
+  }
+
+  /// The context if a sharded module is alive, else null (creating one is collective).
+  static std::shared_ptr<ZeroContext> existing() { return get(false); }
+
+  Communicator& dp() { return dp_; }
+  CommStream& gather_stream() { return gather_; }
+
+  void reduce(const torch::Tensor& target, torch::Tensor grad, int level) {
+    Pending p{.target = target};
+    if (level == 0) {
+      p.work = reduce_.all_reduce(grad, ReduceOp::kAvg);
+      p.result = grad;
+    } else {
+      p.result = torch::empty({grad.numel() / dp_.size()}, grad.options());
+      p.work = reduce_.reduce_scatter(grad, p.result, ReduceOp::kAvg);
+    }
+    pending_.push_back(std::move(p));
+    while (!pending_.empty() && (pending_.size() > kMaxPendingReductions || pending_.front().work.is_completed())) {
+      finish_front();
+    }
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [self = shared_from_this()] { self->finish_all(); });
+  }
+
+  void finish_all() {
+    while (!pending_.empty()) finish_front();
+  }
+
+  void add_storage(const void* s) { storages_.insert(s); }
+  void remove_storage(const void* s) { storages_.erase(s); }
+  bool owns_storage(const void* s) const { return storages_.count(s) != 0; }
+
+ private:
+  struct Pending {
+    torch::Tensor target;
+    torch::Tensor result;
+    Work work;
+  };
+
+  void finish_front() {
+    Pending p = std::move(pending_.front());
+    pending_.pop_front();
+    p.work.wait();
+    torch::NoGradGuard no_grad;
+    auto& grad = p.target.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(p.result);
+    } else {
+      grad = p.result;
+    }
+  }
+
+  Communicator& dp_;
+  CommStream gather_;
+  CommStream reduce_;
+  std::deque<Pending> pending_;
+  std::unordered_set<const void*> storages_;  // full buffers of live sharded modules
+};
+
+/// One forward call awaiting its backward.
+struct ShardedCall {
+  ShardedModule::Fn fn;
+  std::vector<bool> input_requires_grad;
+  std::vector<size_t> edge_inputs;  // inputs with an edge out of the node, in edge order
+  std::vector<torch::Tensor> inputs;                        // recomputation: detached inputs
+  torch::Tensor rng_state;                                  // recomputation: generator state
+  std::vector<torch::Tensor> inner_inputs, inner_outputs;  // kept graph
+  bool backward_done = false;
+};
+
+class ShardedBackward : public torch::autograd::Node {
+ public:
+  ShardedBackward(std::shared_ptr<ShardedModule> owner, std::shared_ptr<ShardedCall> call)
+      : owner_(std::move(owner)), call_(std::move(call)) {}
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    ZTRAIN_CHECK(!call_->backward_done, owner_->kind_,
+                 ": backward through the same forward twice; sharded modules free their graph after "
+                 "the first backward (retain_graph is not supported)");
+    return owner_->backward(*call_, grads);
+  }
+  std::string name() const override { return c10::str("ztrain::", owner_->kind_, "Backward"); }
+
+ private:
+  std::shared_ptr<ShardedModule> owner_;
+  std::shared_ptr<ShardedCall> call_;
+};
+
+namespace {
+/// Detached copies of `inputs` that require grad where the originals did: the leaves of an
+/// inner graph.
+std::vector<torch::Tensor> inner_leaves(const std::vector<torch::Tensor>& inputs, const std::vector<bool>& rg) {
+  std::vector<torch::Tensor> out;
+  out.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) {
+      out.emplace_back();
+      continue;
+    }
+    auto t = inputs[i].detach();
+    if (rg[i]) t.requires_grad_(true);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+class GeneratorStateGuard {
+ public:
+  explicit GeneratorStateGuard(const torch::Tensor& state) : gen_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    saved_ = gen_.get_state();
+    gen_.set_state(state);
+  }
+  ~GeneratorStateGuard() {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    gen_.set_state(saved_);
+  }
+
+ private:
+  at::Generator gen_;
+  torch::Tensor saved_;
+};
+
+torch::Tensor generator_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+}  // namespace
+}  // namespace detail
+
+// ---- construction ------------------------------------------------------------------------------
+
+ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind)
+    : wrapped_(std::move(wrapped)), options_(options), kind_(std::move(kind)) {
+  ZTRAIN_CHECK(wrapped_ != nullptr, kind_, ": the module to wrap is null");
+  ZTRAIN_CHECK(options_.zero_level >= 0 && options_.zero_level <= 3, kind_, ": zero_level must be 0..3, got ",
+               options_.zero_level);
+  ZTRAIN_CHECK(options_.prefetch_depth >= 0, kind_, ": prefetch_depth must be >= 0, got ", options_.prefetch_depth);
+  context_ = detail::ZeroContext::get();
+  auto& dp = context_->dp();
+
+  const auto named = wrapped_->named_parameters(/*recurse=*/true);
+  std::unordered_set<const void*> seen;
+  std::ostringstream signature;
+  struct Key {
+    c10::ScalarType dtype;
+    bool requires_grad;
+  };
+  std::vector<Key> keys;
+  std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> members;
+  std::vector<std::vector<torch::Tensor>> member_tensors;
+  std::vector<std::pair<size_t, size_t>> order;
+  for (const auto& item : named) {
+    const auto& p = item.value();
+    ZTRAIN_CHECK(p.defined(), kind_, ": parameter '", item.key(), "' is undefined");
+    ZTRAIN_CHECK(p.device().is_cpu(), kind_, ": parameter '", item.key(), "' is on ", p.device(),
+                 "; sharded modules hold CPU tensors in this build");
+    ZTRAIN_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, kind_, ": parameter '", item.key(),
+                 "' is registered twice inside the wrapped module; tie parameters across blocks "
+                 "with a DistributedParameter instead");
+    ZTRAIN_CHECK(!context_->owns_storage(p.storage().unsafeGetStorageImpl()), kind_, ": parameter '", item.key(),
+                 "' already belongs to another Block or DistributedParameter; a module can be wrapped "
+                 "only once (build a new module for each block)");
+    signature << detail::describe(item.key(), p.scalar_type(), p.sizes(), p.requires_grad()) << "\n";
+    size_t g = 0;
+    while (g < keys.size() && !(keys[g].dtype == p.scalar_type() && keys[g].requires_grad == p.requires_grad())) ++g;
+    if (g == keys.size()) {
+      keys.push_back({p.scalar_type(), p.requires_grad()});
+      members.emplace_back();
+      member_tensors.emplace_back();
+    }
+    order.emplace_back(g, members[g].size());
+    members[g].emplace_back(item.key(), p.sizes().vec());
+    member_tensors[g].push_back(p);
+  }
+
+  // Every rank must wrap the same parameters, or the collectives below would mismatch.
+  const auto all = dp.all_gather_bytes(signature.str());
+  for (size_t r = 1; r < all.size(); ++r) {
+    ZTRAIN_CHECK(all[r] == all[0], kind_, ": dp ranks 0 and ", r,
+                 " wrap different parameters (names, dtypes, shapes or requires_grad differ).\nrank 0:\n",
+                 all[0], "rank ", r, ":\n", all[r]);
+  }
+
+  torch::NoGradGuard no_grad;
+  for (size_t g = 0; g < keys.size(); ++g) {
+    ShardGroup group{.layout = FlatParamLayout(members[g], keys[g].dtype, dp.size()),
+                     .requires_grad = keys[g].requires_grad};
+    const auto& layout = group.layout;
+    group.full = torch::zeros({layout.total_numel()}, torch::TensorOptions().dtype(keys[g].dtype));
+    for (size_t e = 0; e < layout.entries().size(); ++e) {
+      const auto& entry = layout.entries()[e];
+      group.full.narrow(0, entry.offset, entry.numel).copy_(member_tensors[g][e].detach().reshape(-1));
+    }
+    dp.broadcast(group.full, 0);
+    for (size_t e = 0; e < layout.entries().size(); ++e) {
+      const auto& entry = layout.entries()[e];
+      auto& p = member_tensors[g][e];
+      p.set_data(detail::alias(group.full, entry.offset, entry.shape));
+      group.params.push_back(p);
+    }
+    const auto [begin, end] = layout.shard_range(dp.rank());
+    if (options_.zero_level == 0) {
+      group.shard = detail::alias(group.full, 0, {layout.total_numel()});
+    } else if (options_.zero_level == 1) {
+      group.shard = detail::alias(group.full, begin, {end - begin});
+    } else {
+      group.shard = group.full.narrow(0, begin, end - begin).clone();
+      detail::free_storage(group.full);
+    }
+    context_->add_storage(group.full.storage().unsafeGetStorageImpl());
+    register_parameter(c10::str("zero_shard_", g), group.shard, group.requires_grad);
+    gathered_versions_.push_back(group.shard._version());
+    groups_.push_back(std::move(group));
+  }
+  order_ = std::move(order);
+  gathered_ = options_.zero_level < 2;
+}
+
+ShardedModule::~ShardedModule() {
+  try {
+    for (auto& w : gathering_) w.wait();
+  } catch (...) {
+    // Never throw from a destructor; the failure was or will be reported by its collective.
+  }
+  for (auto& g : groups_) context_->remove_storage(g.full.storage().unsafeGetStorageImpl());
+}
+
+void ShardedModule::train(bool on) {
+  torch::nn::Module::train(on);
+  wrapped_->train(on);
+}
+
+void ShardedModule::set_prefetch_neighbours(std::vector<ShardedModule*> forward, std::vector<ShardedModule*> backward) {
+  forward_neighbours_ = std::move(forward);
+  backward_neighbours_ = std::move(backward);
+}
+
+// ---- gathering ---------------------------------------------------------------------------------
+
+bool ShardedModule::is_gathered() const {
+  if (options_.zero_level == 0) return true;
+  if (!gathered_ || stale_) return false;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].shard._version() != gathered_versions_[g]) return false;
+  }
+  return true;
+}
+
+void ShardedModule::start_gather() {
+  ZTRAIN_INTERNAL_ASSERT(gathering_.empty());
+  auto& stream = context_->gather_stream();
+  const int rank = context_->dp().rank();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    auto& group = groups_[g];
+    gathered_versions_[g] = group.shard._version();
+    if (options_.zero_level == 1) {
+      const auto [begin, end] = group.layout.shard_range(rank);
+      gathering_.push_back(stream.all_gather(group.full.narrow(0, begin, end - begin), group.full));
+    } else {
+      detail::allocate_storage(group.full);
+      gathering_.push_back(stream.all_gather(group.shard.detach(), group.full));
+    }
+  }
+}
+
+void ShardedModule::finish_gather() {
+  auto works = std::move(gathering_);
+  gathering_.clear();
+  for (auto& w : works) w.wait();
+  gathered_ = true;
+  stale_ = false;
+}
+
+void ShardedModule::prefetch() {
+  if (is_gathered() || !gathering_.empty()) return;
+  start_gather();
+}
+
+void ShardedModule::gather() {
+  if (is_gathered() && gathering_.empty()) return;
+  if (gathering_.empty()) start_gather();
+  finish_gather();
+}
+
+void ShardedModule::release() {
+  if (options_.zero_level < 2) return;
+  if (!gathering_.empty()) finish_gather();
+  for (auto& g : groups_) detail::free_storage(g.full);
+  gathered_ = false;
+}
+
+void ShardedModule::before(const std::vector<ShardedModule*>& neighbours) {
+  const bool need = !is_gathered() || !gathering_.empty();
+  if (need && gathering_.empty()) start_gather();
+  for (auto* n : neighbours) n->prefetch();
+  if (need) finish_gather();
+}
+
+// ---- forward and backward ----------------------------------------------------------------------
+
+std::vector<torch::Tensor> ShardedModule::own_outputs(std::vector<torch::Tensor> outputs) const {
+  for (auto& out : outputs) {
+    if (!out.defined() || out.numel() == 0) continue;
+    for (const auto& g : groups_) {
+      if (out.storage().unsafeGetStorageImpl() == g.full.storage().unsafeGetStorageImpl()) {
+        out = out.clone();
+        break;
+      }
+    }
+  }
+  return outputs;
+}
+
+bool ShardedModule::last_call_pending_backward() const {
+  auto call = last_call_.lock();
+  return call && !call->backward_done;
+}
+
+std::vector<torch::Tensor> ShardedModule::run(const Fn& fn, const std::vector<torch::Tensor>& inputs) {
+  bool any_input_grad = false;
+  std::vector<bool> input_rg;
+  for (const auto& t : inputs) {
+    input_rg.push_back(t.defined() && t.requires_grad());
+    any_input_grad = any_input_grad || input_rg.back();
+  }
+  bool any_trainable = false;
+  for (const auto& g : groups_) any_trainable = any_trainable || g.requires_grad;
+  const bool record = torch::GradMode::is_enabled() && (any_trainable || any_input_grad);
+
+  before(forward_neighbours_);
+  if (!record) {
+    auto outputs = fn(inputs);
+    if (options_.zero_level >= 2) {
+      outputs = own_outputs(std::move(outputs));
+      release();
+    }
+    return outputs;
+  }
+
+  std::shared_ptr<ShardedModule> self;
+  try {
+    self = std::static_pointer_cast<ShardedModule>(shared_from_this());
+  } catch (const std::bad_weak_ptr&) {
+    ZTRAIN_CHECK(false, kind_, " must be owned by a std::shared_ptr (construct it through its module holder, "
+                               "e.g. ztrain::Block<M>, or std::make_shared) to take part in autograd");
+  }
+  auto call = std::make_shared<detail::ShardedCall>();
+  call->fn = fn;
+  call->input_requires_grad = input_rg;
+  std::vector<torch::Tensor> outputs;
+  if (options_.use_checkpoint) {
+    call->rng_state = detail::generator_state();
+    {
+      torch::NoGradGuard no_grad;
+      outputs = fn(inputs);
+    }
+    for (const auto& t : inputs) call->inputs.push_back(t.defined() ? t.detach() : t);
+  } else {
+    call->inner_inputs = detail::inner_leaves(inputs, input_rg);
+    {
+      torch::AutoGradMode grad_on(true);
+      call->inner_outputs = fn(call->inner_inputs);
+    }
+    for (const auto& t : call->inner_outputs) outputs.push_back(t.defined() ? t.detach() : t);
+  }
+  if (options_.zero_level == 3) {
+    outputs = own_outputs(std::move(outputs));
+    release();
+  }
+
+  std::shared_ptr<detail::ShardedBackward> node(new detail::ShardedBackward(self, call), torch::autograd::deleteNode);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!input_rg[i]) continue;
+    node->add_next_edge(torch::autograd::impl::gradient_edge(inputs[i]));
+    call->edge_inputs.push_back(i);
+  }
+  for (auto& out : outputs) {
+    if (out.defined() && torch::autograd::isDifferentiableType(out.scalar_type())) {
+      out = out.detach();  // a fresh tensor, never one of the inputs
+      torch::autograd::set_history(out, node);
+    } else {
+      node->add_input_metadata(torch::autograd::Node::undefined_input());
+    }
+  }
+  last_call_ = call;
+  return outputs;
+}
+
+std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, const std::vector<torch::Tensor>& grads) {
+  on_backward();
+  before(backward_neighbours_);
+  std::vector<torch::Tensor> leaves, outputs;
+  if (options_.use_checkpoint) {
+    leaves = detail::inner_leaves(call.inputs, call.input_requires_grad);
+    detail::GeneratorStateGuard same_rng(call.rng_state);
+    torch::AutoGradMode grad_on(true);
+    outputs = call.fn(leaves);
+  } else {
+    leaves = std::move(call.inner_inputs);
+    outputs = std::move(call.inner_outputs);
+  }
+  call.backward_done = true;
+  call.inputs.clear();
+  ZTRAIN_CHECK(outputs.size() == grads.size(), kind_, ": the recomputed forward returned ", outputs.size(),
+               " tensors, the original ", grads.size(), "; the wrapped forward must be deterministic in structure");
+
+  std::vector<torch::Tensor> roots, root_grads;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (grads[i].defined() && outputs[i].defined() && outputs[i].requires_grad()) {
+      roots.push_back(outputs[i]);
+      root_grads.push_back(grads[i]);
+    }
+  }
+  std::vector<torch::Tensor> targets, flat_grads;
+  for (auto& g : groups_) {
+    if (!g.requires_grad) continue;
+    flat_grads.push_back(torch::zeros({g.layout.total_numel()}, g.full.options()));
+    for (size_t e = 0; e < g.params.size(); ++e) {
+      const auto& entry = g.layout.entries()[e];
+      g.params[e].mutable_grad() = flat_grads.back().narrow(0, entry.offset, entry.numel).view(entry.shape);
+      targets.push_back(g.params[e]);
+    }
+  }
+  for (size_t i : call.edge_inputs) targets.push_back(leaves[i]);
+  if (!roots.empty()) {
+    torch::autograd::backward(roots, root_grads, /*retain_graph=*/false, /*create_graph=*/false, targets);
+  }
+  for (auto& g : groups_) {
+    for (auto& p : g.params) p.mutable_grad().reset();
+  }
+
+  size_t next = 0;
+  for (auto& g : groups_) {
+    if (g.requires_grad) context_->reduce(g.shard, flat_grads[next++], options_.zero_level);
+  }
+  // An optimizer may now update the shards without a trace in their version counters
+  // (torch::optim writes through .data()), so level 1 refreshes the full buffer next time.
+  if (!flat_grads.empty()) stale_ = true;
+  release();
+
+  std::vector<torch::Tensor> input_grads;
+  for (size_t i : call.edge_inputs) input_grads.push_back(leaves[i].grad());
+  return input_grads;
+}
+
+// ---- accounting and names ------------------------------------------------------------------
+
+int64_t ShardedModule::parameter_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& g : groups_) bytes += (options_.zero_level < 2 ? g.full : g.shard).nbytes();
+  return bytes;
+}
+
+int64_t ShardedModule::gathered_bytes() const {
+  if (options_.zero_level < 2) return 0;
+  int64_t bytes = 0;
+  for (const auto& g : groups_) bytes += g.full.storage().nbytes();
+  return bytes;
+}
+
+int64_t ShardedModule::gradient_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& g : groups_) {
+    if (g.shard.grad().defined()) bytes += g.shard.grad().nbytes();
+  }
+  return bytes;
+}
+
+namespace {
+void collect(torch::nn::Module& module, const std::string& prefix, std::vector<NamedParameterRef>& out) {
+  if (auto* sharded = dynamic_cast<ShardedModule*>(&module)) {
+    for (const auto& [g, e] : sharded->parameter_order()) {
+      const auto& group = sharded->groups()[g];
+      const auto& entry = group.layout.entries()[e];
+      out.push_back({.name = prefix + entry.name, .shape = entry.shape, .dtype = group.layout.dtype(),
+                     .owner = sharded, .group = g, .entry = e});
+    }
+    return;
+  }
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    out.push_back({.name = prefix + item.key(), .shape = item.value().sizes().vec(),
+                   .dtype = item.value().scalar_type(), .tensor = item.value()});
+  }
+  for (const auto& child : module.named_children()) collect(*child.value(), prefix + child.key() + ".", out);
+}
+}  // namespace
+
+std::vector<NamedParameterRef> named_parameter_refs(torch::nn::Module& module) {
+  std::vector<NamedParameterRef> out;
+  collect(module, "", out);
+  return out;
+}
+
+namespace {
+torch::Tensor gathered_value(const NamedParameterRef& ref) {
+  const auto& group = ref.owner->groups()[ref.group];
+  const auto& entry = group.layout.entries()[ref.entry];
+  return group.full.narrow(0, entry.offset, entry.numel).view(entry.shape).clone();
+}
+}  // namespace
+
+torch::Tensor full_parameter(const NamedParameterRef& ref) {
+  if (!ref.owner) return ref.tensor.detach().clone();
+  const bool was_gathered = ref.owner->is_gathered();
+  ref.owner->gather();
+  auto value = gathered_value(ref);
+  if (!was_gathered) ref.owner->release();
+  return value;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  ShardedModule* current = nullptr;  // the sharded module whose parameters are being copied
+  bool release_current = false;       // gathered here, so released here
+  for (const auto& ref : named_parameter_refs(module)) {
+    if (ref.owner && ref.owner != current) {
+      if (release_current) current->release();
+      current = ref.owner;
+      release_current = !current->is_gathered();
+      current->gather();
+    }
+    out.emplace_back(ref.name, ref.owner ? gathered_value(ref) : ref.tensor.detach().clone());
+  }
+  if (release_current) current->release();
+  return out;
+}
+
+void wait_gradient_reductions() {
+  if (auto context = detail::ZeroContext::existing()) context->finish_all();
+}
+
+}  // namespace ztrain
