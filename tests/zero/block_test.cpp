@@ -1,0 +1,271 @@
+// Block, BlockList and DistributedParameter scenarios beyond plain parity.
+
+#include "test_util.h"
+#include "zero_model.h"
+
+namespace ztrain::test {
+namespace {
+
+/// Two inputs (one may not require grad), a tuple of two outputs, an int argument passed through.
+struct TwoWayImpl : torch::nn::Module {
+  explicit TwoWayImpl(int64_t d) : a(d, d), b(d, d) {
+    register_module("a", a);
+    register_module("b", b);
+  }
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor y, int64_t scale) {
+    auto h = torch::tanh(a(x) + y * scale);
+    return {h, b(h) * y};
+  }
+  torch::nn::Linear a, b;
+};
+TORCH_MODULE(TwoWay);
+
+/// A reduction of dp-local losses that makes every rank see the same global loss.
+torch::Tensor local_rows(const torch::Tensor& t) {
+  auto& dp = runtime().dp();
+  const auto n = t.size(0) / dp.size();
+  return t.slice(0, dp.rank() * n, (dp.rank() + 1) * n);
+}
+
+std::map<std::string, torch::Tensor> grads_by_name(torch::nn::Module& plain) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : plain.named_parameters()) out[p.key()] = p.value().grad().defined() ? p.value().grad().clone() : torch::Tensor();
+  return out;
+}
+
+/// The full gradient of every wrapped parameter, gathered from the shards' .grad.
+std::map<std::string, torch::Tensor> sharded_grads(ShardedModule& m) {
+  auto& dp = runtime().dp();
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& g : m.groups()) {
+    if (!g.shard.grad().defined()) continue;
+    torch::Tensor full = g.shard.grad();
+    if (m.zero_level() > 0) {
+      full = torch::empty({g.layout.total_numel()}, g.shard.options());
+      dp.all_gather(g.shard.grad(), full);
+    }
+    for (const auto& e : g.layout.entries()) out[e.name] = full.narrow(0, e.offset, e.numel).view(e.shape);
+  }
+  return out;
+}
+
+class BlockScenario : public ::testing::TestWithParam<int> {};
+
+TEST_P(BlockScenario, SeveralInputsAndOutputsAndInputsWithoutGrad) {
+  ASSERT_EQ(world_size(), expected_world_size());
+  const int level = GetParam();
+  const int64_t rows = 4 * runtime().dp().size(), d = 5;
+  torch::manual_seed(3);
+  TwoWay plain(d);
+  torch::manual_seed(3);
+  Block<TwoWay> block(TwoWay(d), {.zero_level = level, .use_checkpoint = level % 2 == 0});
+  torch::manual_seed(11);
+  auto x_full = torch::randn({rows, d}), y_full = torch::randn({rows, d});
+
+  auto x = x_full.clone().requires_grad_(true);
+  auto [h, z] = plain(x, y_full, 2);  // y needs no grad
+  (h.sum() + (z * z).sum()).backward();
+  const auto want = grads_by_name(*plain);
+
+  auto xl = local_rows(x_full).clone().requires_grad_(true);
+  auto yl = local_rows(y_full);
+  auto [hl, zl] = block(xl, yl, 2);
+  EXPECT_TRUE(tensors_equal(hl, local_rows(h.detach()), 1e-6, 1e-6));
+  EXPECT_TRUE(tensors_equal(zl, local_rows(z.detach()), 1e-6, 1e-6));
+  // The plain loss is the sum over ranks of the local ones, and ztrain averages parameter
+  // gradients over dp: scaling the local loss by dp gives the plain parameter gradients (and
+  // dp times the plain input gradient).
+  const auto dp = runtime().dp().size();
+  ((hl.sum() + (zl * zl).sum()) * dp).backward();
+  EXPECT_FALSE(yl.grad().defined());
+  EXPECT_TRUE(tensors_equal(xl.grad() / dp, local_rows(x.grad()), 1e-5, 1e-6));
+  const auto got = sharded_grads(*block);
+  for (const auto& [name, g] : want) EXPECT_TRUE(tensors_equal(got.at(name), g, 1e-5, 1e-6)) << name;
+}
+
+TEST_P(BlockScenario, InputsWithoutGradStillTrainTheBlock) {
+  const int level = GetParam();
+  torch::manual_seed(3);
+  Block<Layer> block(Layer(8), {.zero_level = level, .use_checkpoint = level >= 2});
+  auto x = torch::randn({2, 4, 8});  // no grad
+  block(x).pow(2).sum().backward();
+  for (const auto& g : block->groups()) {
+    ASSERT_TRUE(g.shard.grad().defined());
+    EXPECT_GT(g.shard.grad().abs().sum().item<double>() + (g.shard.numel() == 0), 0.0);
+  }
+}
+
+TEST_P(BlockScenario, FrozenParametersGetNoGradientAndNoUpdate) {
+  const int level = GetParam();
+  torch::manual_seed(3);
+  Layer layer(8);
+  layer->ln1->weight.requires_grad_(false);
+  layer->fc->bias.requires_grad_(false);
+  Block<Layer> block(layer, {.zero_level = level, .use_checkpoint = false});
+  ASSERT_EQ(block->groups().size(), 2u);
+  const auto before = gathered_parameters(*block);
+  torch::optim::Adam opt(block->parameters(), 0.1);
+  for (int i = 0; i < 3; ++i) {
+    opt.zero_grad();
+    block(torch::randn({2, 4, 8})).pow(2).mean().backward();
+    opt.step();
+  }
+  for (const auto& g : block->groups()) EXPECT_EQ(g.shard.grad().defined(), g.requires_grad);
+  const auto after = gathered_parameters(*block);
+  for (size_t i = 0; i < before.size(); ++i) {
+    const bool frozen = before[i].first == "ln1.weight" || before[i].first == "fc.bias";
+    EXPECT_EQ(before[i].second.equal(after[i].second), frozen) << before[i].first;
+  }
+  EXPECT_FALSE(layer->ln1->weight.grad().defined());
+}
+
+TEST_P(BlockScenario, TwoBackwardsWithoutZeroGradGiveTwiceTheGradient) {
+  const int level = GetParam();
+  torch::manual_seed(3);
+  Block<Layer> block(Layer(8), {.zero_level = level, .use_checkpoint = level == 1});
+  auto x = torch::randn({2, 4, 8});
+  block(x).pow(2).mean().backward();
+  std::vector<torch::Tensor> once;
+  for (const auto& g : block->groups()) once.push_back(g.shard.grad().clone());
+  block(x).pow(2).mean().backward();
+  for (size_t i = 0; i < once.size(); ++i) EXPECT_TRUE(tensors_equal(block->groups()[i].shard.grad(), once[i] * 2, 1e-6, 1e-7));
+}
+
+TEST_P(BlockScenario, EvalAndNoGradForwardMatchAndReleaseEverything) {
+  const int level = GetParam();
+  torch::manual_seed(3);
+  Layer plain(8, 0.5);
+  torch::manual_seed(3);
+  BlockList<Layer> layers(std::vector<Block<Layer>>{Block<Layer>(Layer(8, 0.5), {.zero_level = level})});
+  layers->eval();
+  plain->eval();
+  auto x = torch::randn({2, 4, 8});
+  torch::NoGradGuard no_grad;
+  auto y = layers(x);
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_TRUE(tensors_equal(y, plain(x), 1e-6, 1e-6));
+  EXPECT_EQ(layers[0]->gathered_bytes(), 0);
+}
+
+TEST_P(BlockScenario, RecomputedDropoutEqualsTheKeptGraph) {
+  const int level = GetParam();
+  std::vector<std::map<std::string, torch::Tensor>> grads;
+  std::vector<torch::Tensor> outs;
+  for (bool ckpt : {false, true}) {
+    torch::manual_seed(3);
+    Block<Layer> block(Layer(8, 0.3), {.zero_level = level, .use_checkpoint = ckpt});
+    auto x = torch::randn({2, 4, 8}).requires_grad_(true);
+    torch::manual_seed(99);
+    auto y = block(x);
+    y.pow(2).sum().backward();
+    outs.push_back(y.detach());
+    grads.push_back(sharded_grads(*block));
+    grads.back()["x"] = x.grad();
+  }
+  EXPECT_TRUE(tensors_equal(outs[0], outs[1]));
+  for (const auto& [name, g] : grads[0]) EXPECT_TRUE(tensors_equal(grads[1].at(name), g, 1e-6, 1e-7)) << name;
+}
+
+TEST_P(BlockScenario, MiddleHiddenStatesCarryTheirLoss) {
+  const int level = GetParam();
+  ModelConfig c;
+  torch::manual_seed(5);
+  torch::nn::ModuleList plain;
+  for (int i = 0; i < 3; ++i) plain->push_back(Layer(c.dim));
+  torch::manual_seed(5);
+  BlockList<Layer> layers(3, [&](int64_t) { return Layer(c.dim); }, {.zero_level = level, .use_checkpoint = false});
+  auto x = torch::randn({2, 4, c.dim});
+  auto h = x;
+  torch::Tensor loss = torch::zeros({});
+  for (auto& m : *plain) loss = loss + (h = m->as<LayerImpl>()->forward(h)).pow(2).mean();
+  loss.backward();
+  auto hidden = layers->forward_all(x);
+  ASSERT_EQ(hidden.size(), 3u);
+  (hidden[0].pow(2).mean() + hidden[1].pow(2).mean() + hidden[2].pow(2).mean()).backward();
+  for (int i = 0; i < 3; ++i) {
+    const auto want = grads_by_name(*plain[i]);
+    const auto got = sharded_grads(*layers[i]);
+    for (const auto& [name, g] : want) EXPECT_TRUE(tensors_equal(got.at(name), g, 1e-5, 1e-7)) << i << "." << name;
+  }
+}
+
+TEST_P(BlockScenario, LevelThreeFreesGatheredStorageBetweenForwardAndBackward) {
+  const int level = GetParam();
+  torch::manual_seed(3);
+  std::vector<int64_t> seen;  // gathered bytes of all blocks, observed inside each block's forward
+  BlockList<Layer> layers(4, [&](int64_t) { return Layer(16); }, {.zero_level = level, .use_checkpoint = false, .prefetch_depth = 1});
+  const int64_t block_bytes = layers[0]->groups()[0].layout.total_numel() * 4;
+  auto x = torch::randn({2, 4, 16}).requires_grad_(true);
+  auto h = x;
+  for (auto& b : *layers) {
+    h = b(h);
+    int64_t total = 0;
+    for (auto& other : *layers) total += other->gathered_bytes();
+    seen.push_back(total);
+  }
+  int64_t live = 0;
+  for (auto& b : *layers) live += b->gathered_bytes();
+  if (level == 3) {
+    EXPECT_EQ(live, 0);
+    // After block i's forward, only block i+1 (prefetched) may be gathered.
+    for (size_t i = 0; i < seen.size(); ++i) EXPECT_LE(seen[i], block_bytes) << "after block " << i;
+  } else if (level == 2) {
+    EXPECT_EQ(live, 4 * block_bytes);
+  }
+  h.sum().backward();
+  live = 0;
+  for (auto& b : *layers) live += b->gathered_bytes();
+  EXPECT_EQ(live, 0);
+  EXPECT_TRUE(x.grad().defined());
+}
+
+INSTANTIATE_TEST_SUITE_P(Levels, BlockScenario, ::testing::Values(0, 1, 2, 3),
+                         [](const auto& info) { return c10::str("level", info.param); });
+
+TEST(BlockErrors, SameInstanceTwiceIsRejected) {
+  Block<Layer> block(Layer(4), {.zero_level = 2});
+  EXPECT_NE(error_message([&] { BlockList<Layer>(std::vector<Block<Layer>>{block, block}); }).find("same instance"),
+            std::string::npos);
+  Layer layer(4);
+  Block<Layer> first(layer);
+  EXPECT_NE(error_message([&] { Block<Layer> again(layer); }).find("already belongs"), std::string::npos);
+}
+
+TEST(BlockErrors, BadOptionsAreRejected) {
+  EXPECT_NE(error_message([] { Block<Layer>(Layer(4), {.zero_level = 4}); }).find("zero_level must be 0..3"),
+            std::string::npos);
+  EXPECT_NE(error_message([] { Block<Layer>(Layer(4), {.prefetch_depth = -1}); }).find("prefetch_depth"),
+            std::string::npos);
+}
+
+TEST(BlockErrors, RanksWrappingDifferentShapesFailClearly) {
+  if (world_size() == 1) {
+    EXPECT_NO_THROW(Block<Layer>(Layer(6)));  // nobody to disagree with
+    return;
+  }
+  const int64_t d = runtime().dp().rank() == 1 ? 6 : 4;
+  EXPECT_NE(error_message([&] { Block<Layer>(Layer(d)); }).find("wrap different parameters"), std::string::npos);
+}
+
+TEST(DistributedParameterTest, TiedUseIsGatheredOnceAndGetsBothGradients) {
+  for (int level : {0, 1, 2, 3}) {
+    torch::manual_seed(1);
+    auto value = torch::randn({7, 3});
+    DistributedParameter w(value, {.zero_level = level});
+    auto ids = torch::tensor({0, 3, 6, 3});
+    auto a = w(), b = w();
+    if (level != 3) {
+      EXPECT_TRUE(a.is_same(b)) << "level " << level;
+    }
+    auto loss = (torch::embedding(a, ids) * 2).sum() + torch::matmul(torch::ones({1, 3}), b.t()).sum();
+    loss.backward();
+    auto ref = value.clone().requires_grad_(true);
+    ((torch::embedding(ref, ids) * 2).sum() + torch::matmul(torch::ones({1, 3}), ref.t()).sum()).backward();
+    const auto grads = sharded_grads(*w);
+    EXPECT_TRUE(tensors_equal(grads.at("weight"), ref.grad(), 1e-6, 1e-7)) << "level " << level;
+    EXPECT_EQ(gathered_parameters(*w)[0].first, "weight");
+  }
+}
+
+}  // namespace
+}  // namespace ztrain::test
