@@ -18,4 +18,6 @@
 #include <ztrain/zero/block_list.h>
 #include <ztrain/zero/distributed_parameter.h>
 #include <ztrain/zero/flat_param.h>
+#include <ztrain/zero/init_parameters.h>
+#include <ztrain/zero/memory.h>
 #include <ztrain/zero/sharded_module.h>
