@@ -1,0 +1,177 @@
+// zero_bench: the cost of ZeRO sharding. Step time (forward, backward, SGD step) of one model
+// wrapped at level 3 with prefetch, level 3 without prefetch, level 2 and level 0, as ratios to a
+// plain libtorch step of the same model on the same per-rank batch — all measured in one run.
+//
+//   mpirun -np 2 --bind-to none build/bench/zero_bench [--dim 512 --layers 6 --seq 128 --batch 4]
+//
+// How it is measured
+// ------------------
+// Every rank builds the same model (a GPT-style stack of pre-LayerNorm attention + MLP blocks)
+// and runs each variant for --warmup steps, then --steps timed steps; a step is timed from a
+// barrier to the end of the optimizer step, as the max over ranks. The plain variant runs the
+// unwrapped model on every rank at once (each rank's single-process step, the cores busy as in
+// the sharded runs). Reported: median and p10/p90 over steps, and the ratio of medians to the
+// plain step. Each variant's first-step loss is checked against the plain model's.
+#include <ztrain/ztrain.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct LayerImpl : torch::nn::Module {
+  LayerImpl(int64_t d, int64_t heads)
+      : heads(heads), ln1(torch::nn::LayerNormOptions({d})), ln2(torch::nn::LayerNormOptions({d})),
+        qkv(d, 3 * d), proj(d, d), fc(d, 4 * d), out(4 * d, d) {
+    register_module("ln1", ln1);
+    register_module("qkv", qkv);
+    register_module("proj", proj);
+    register_module("ln2", ln2);
+    register_module("fc", fc);
+    register_module("out", out);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const auto b = x.size(0), t = x.size(1), d = x.size(2);
+    auto q = qkv(ln1(x)).view({b, t, 3, heads, d / heads}).permute({2, 0, 3, 1, 4});
+    auto scores = torch::matmul(q[0], q[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(d / heads));
+    scores = scores.masked_fill(torch::ones({t, t}, torch::kBool).triu(1), -1e9);
+    auto att = torch::matmul(torch::softmax(scores, -1), q[2]).transpose(1, 2).reshape({b, t, d});
+    x = x + proj(att);
+    return x + out(torch::gelu(fc(ln2(x)), "tanh"));
+  }
+  int64_t heads;
+  torch::nn::LayerNorm ln1, ln2;
+  torch::nn::Linear qkv, proj, fc, out;
+};
+TORCH_MODULE(Layer);
+
+struct Stats {
+  double median, p10, p90;
+};
+
+Stats stats(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) { return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))]; };
+  return {at(0.5), at(0.1), at(0.9)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("zero_bench: ZeRO step time against a plain libtorch step");
+  int64_t dim = 512, layers = 6, heads = 8, seq = 128, batch = 4;
+  int steps = 10, warmup = 2;
+  std::string json_path;
+  app.add_option("--dim", dim, "model width");
+  app.add_option("--layers", layers, "blocks");
+  app.add_option("--heads", heads, "attention heads");
+  app.add_option("--seq", seq, "sequence length");
+  app.add_option("--batch", batch, "sequences per rank");
+  app.add_option("--steps", steps, "timed steps per variant");
+  app.add_option("--warmup", warmup, "untimed steps per variant");
+  app.add_option("--json", json_path, "append results as JSON lines");
+  CLI11_PARSE(app, argc, argv);
+
+  auto& rt = ztrain::init_distributed({.seed = 1});
+  auto& world = rt.world();
+  torch::manual_seed(1);
+  auto x = torch::randn({batch, seq, dim});
+
+  auto timed = [&](const std::function<torch::Tensor()>& step) {
+    std::vector<double> times;
+    double first_loss = 0;
+    for (int i = 0; i < warmup + steps; ++i) {
+      world.barrier();
+      const auto t0 = Clock::now();
+      auto loss = step();
+      auto dt = torch::tensor({std::chrono::duration<double>(Clock::now() - t0).count()}, torch::kFloat64);
+      world.all_reduce(dt, ztrain::ReduceOp::kMax);
+      if (i == 0) first_loss = loss.item<double>();
+      if (i >= warmup) times.push_back(dt.item<double>());
+    }
+    return std::make_pair(stats(times), first_loss);
+  };
+
+  auto make_layers = [&] {
+    std::vector<Layer> out;
+    torch::manual_seed(2);
+    for (int64_t i = 0; i < layers; ++i) out.push_back(Layer(dim, heads));
+    return out;
+  };
+
+  // The plain libtorch step.
+  auto plain_layers = make_layers();
+  std::vector<torch::Tensor> plain_params;
+  for (auto& l : plain_layers) {
+    for (auto& p : l->parameters()) plain_params.push_back(p);
+  }
+  int64_t psi = 0;
+  for (auto& p : plain_params) psi += p.numel();
+  torch::optim::SGD plain_opt(plain_params, 1e-3);
+  auto [plain, plain_loss] = timed([&] {
+    auto h = x;
+    for (auto& l : plain_layers) h = l(h);
+    auto loss = h.pow(2).mean();
+    plain_opt.zero_grad();
+    loss.backward();
+    plain_opt.step();
+    return loss.detach();
+  });
+
+  struct Variant {
+    std::string name;
+    ztrain::BlockOptions options;
+  };
+  const std::vector<Variant> variants = {
+      {"level3_prefetch", {.zero_level = 3, .use_checkpoint = false, .prefetch_depth = 1}},
+      {"level3_no_prefetch", {.zero_level = 3, .use_checkpoint = false, .prefetch_depth = 0}},
+      {"level2", {.zero_level = 2, .use_checkpoint = false, .prefetch_depth = 1}},
+      {"level0", {.zero_level = 0, .use_checkpoint = false}},
+  };
+  ztrain::print_rank("zero_bench: ", rt.world_size(), " ranks, ", rt.threads(), " threads/rank, model ", layers, "x", dim,
+                     " (", heads, " heads, ", psi / 1e6, " M parameters), batch ", batch, "x", seq,
+                     " per rank, fp32, no recomputation, SGD; ", steps, " timed steps after ", warmup, " warm-up");
+  ztrain::print_rank(c10::str("variant               median_s    p10_s    p90_s   ratio_to_plain"));
+  auto row = [&](const std::string& name, const Stats& s) {
+    ztrain::print_rank(c10::str(name, std::string(20 - std::min<size_t>(20, name.size()), ' '), "  ", s.median, "  ",
+                                s.p10, "  ", s.p90, "  ", s.median / plain.median));
+    if (!json_path.empty() && rt.rank() == 0) {
+      std::ofstream(json_path, std::ios::app)
+          << nlohmann::json{{"bench", "zero"},   {"variant", name},       {"ranks", rt.world_size()},
+                            {"dim", dim},        {"layers", layers},      {"seq", seq},
+                            {"batch", batch},    {"params", psi},         {"median_s", s.median},
+                            {"p10_s", s.p10},    {"p90_s", s.p90},        {"ratio_to_plain", s.median / plain.median}}
+                 .dump()
+          << "\n";
+    }
+  };
+  row("plain", plain);
+  for (const auto& v : variants) {
+    std::vector<ztrain::Block<Layer>> blocks;
+    for (auto& l : make_layers()) blocks.emplace_back(l, v.options);
+    ztrain::BlockList<Layer> list(std::move(blocks));
+    torch::optim::SGD opt(list->parameters(), 1e-3);
+    auto [s, loss] = timed([&] {
+      auto out = list(x).pow(2).mean();
+      opt.zero_grad();
+      out.backward();
+      opt.step();
+      return ztrain::sum_loss(out);
+    });
+    if (std::abs(loss - plain_loss) > 1e-4 * std::abs(plain_loss)) {
+      ztrain::print_rank("error: ", v.name, " first loss ", loss, " differs from the plain ", plain_loss);
+      return 1;
+    }
+    row(v.name, s);
+  }
+  return 0;
+}
