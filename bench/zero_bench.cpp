@@ -64,6 +64,37 @@ Stats stats(std::vector<double> v) {
   return {at(0.5), at(0.1), at(0.9)};
 }
 
+/// Builds the model block by block at level 3, runs one step, and reports what each rank holds
+/// between steps against the formula: parameters and gradients Ψ/N each (fp32), SGD no state.
+int report_memory(int64_t dim, int64_t layers, int64_t heads, int64_t seq, int64_t batch) {
+  auto& rt = ztrain::runtime();
+  const auto before = ztrain::memory_stats(*torch::nn::Sequential());
+  ztrain::BlockList<Layer> list(layers, [&](int64_t) { return Layer(dim, heads); },
+                                {.zero_level = 3, .use_checkpoint = true});
+  int64_t psi = 0;
+  for (const auto& block : *list) psi += block->groups()[0].layout.used_numel();
+  torch::optim::SGD opt(list->parameters(), 1e-3);
+  auto loss = list(torch::randn({batch, seq, dim})).pow(2).mean();
+  loss.backward();
+  opt.step();
+  const auto m = ztrain::memory_stats(*list, &opt);
+  const double n = rt.dp().size(), formula = 2.0 * 4.0 * psi / n;
+  const double held = m.parameter_bytes + m.gradient_bytes + m.gathered_bytes;
+  ztrain::print_rank("zero_bench --memory: ", rt.world_size(), " ranks, level 3 with recomputation, model ", layers, "x",
+                     dim, " = ", psi / 1e6, " M parameters (fp32), batch ", batch, "x", seq);
+  for (int r = 0; r < rt.world_size(); ++r) {
+    if (r == rt.rank()) {
+      std::printf("rank %d: parameters %.2f MB, gradients %.2f MB, gathered %.2f MB; held %.2f MB vs formula 2*4*psi/N = "
+                  "%.2f MB (ratio %.4f); peak RSS %.1f MB (%.1f MB before the model)\n",
+                  r, m.parameter_bytes / 1e6, m.gradient_bytes / 1e6, m.gathered_bytes / 1e6, held / 1e6, formula / 1e6,
+                  held / formula, m.peak_rss_bytes / 1e6, before.peak_rss_bytes / 1e6);
+      std::fflush(stdout);
+    }
+    rt.world().barrier();
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,6 +102,8 @@ int main(int argc, char** argv) {
   int64_t dim = 512, layers = 6, heads = 8, seq = 128, batch = 4;
   int steps = 10, warmup = 2;
   std::string json_path;
+  bool memory = false;
+  app.add_flag("--memory", memory, "instead of timing: model-state bytes per rank at level 3 against the ZeRO formula");
   app.add_option("--dim", dim, "model width");
   app.add_option("--layers", layers, "blocks");
   app.add_option("--heads", heads, "attention heads");
@@ -83,6 +116,7 @@ int main(int argc, char** argv) {
 
   auto& rt = ztrain::init_distributed({.seed = 1});
   auto& world = rt.world();
+  if (memory) return report_memory(dim, layers, heads, seq, batch);
   torch::manual_seed(1);
   auto x = torch::randn({batch, seq, dim});
 

@@ -37,7 +37,7 @@ namespace ztrain {
 namespace detail {
 
 namespace {
-constexpr size_t kMaxPendingReductions = 4;
+constexpr size_t kMaxPendingReductions = 2;
 
 void free_storage(const torch::Tensor& t) {
   auto* impl = t.storage().unsafeGetStorageImpl();
