@@ -8,8 +8,11 @@
 ///     auto loss = ...;                          // this rank's mean loss
 ///     zt::print_rank("loss ", zt::sum_loss(loss).item<double>());
 ///   }
+#include <ztrain/ckpt/model_file.h>
+#include <ztrain/ckpt/safetensors.h>
 #include <ztrain/comm/comm.h>
 #include <ztrain/error.h>
+#include <ztrain/models/gpt.h>
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>
 #include <ztrain/runtime/runtime.h>

@@ -17,6 +17,7 @@
 ///   auto h = layers(x, mask);
 ///   for (auto& block : *layers) h = block(h, mask);   // the same, block by block
 
+#include <ztrain/error.h>
 #include <ztrain/zero/block.h>
 
 #include <functional>

@@ -1,0 +1,137 @@
+#pragma once
+/// A GPT-2-compatible language model built from ztrain blocks.
+///
+/// Architecture as GPT-2: learned position embeddings, pre-LayerNorm blocks (eps 1e-5), causal
+/// multi-head self-attention, a 4× MLP with tanh-approximated GELU, dropout on embeddings,
+/// attention probabilities and residual branches, a final LayerNorm, and an LM head tied to the
+/// token embedding. Parameter names and layouts are Hugging Face `GPT2LMHeadModel`'s, so a
+/// model file moves both ways (the tied head is not stored, as in Hugging Face's files):
+///
+/// | name                                   | shape            | note                         |
+/// |----------------------------------------|------------------|------------------------------|
+/// | transformer.wte.weight                 | [vocab, d]       | also the LM head             |
+/// | transformer.wpe.weight                 | [context, d]     |                              |
+/// | transformer.h.{i}.ln_1.weight / .bias  | [d]              |                              |
+/// | transformer.h.{i}.attn.c_attn.weight   | [d, 3d]          | Conv1D: (in, out), y = xW + b |
+/// | transformer.h.{i}.attn.c_attn.bias     | [3d]             | q, k, v in that order        |
+/// | transformer.h.{i}.attn.c_proj.weight   | [d, d]           | Conv1D                       |
+/// | transformer.h.{i}.attn.c_proj.bias     | [d]              |                              |
+/// | transformer.h.{i}.ln_2.weight / .bias  | [d]              |                              |
+/// | transformer.h.{i}.mlp.c_fc.weight      | [d, 4d]          | Conv1D                       |
+/// | transformer.h.{i}.mlp.c_fc.bias        | [4d]             |                              |
+/// | transformer.h.{i}.mlp.c_proj.weight    | [4d, d]          | Conv1D                       |
+/// | transformer.h.{i}.mlp.c_proj.bias      | [d]              |                              |
+/// | transformer.ln_f.weight / .bias        | [d]              |                              |
+///
+/// The token and position embeddings are DistributedParameters, every transformer block is a
+/// Block in one BlockList, the final LayerNorm a Block of its own; all at the configured ZeRO
+/// level. Construction and every forward are collective over the data-parallel group.
+///
+///   ztrain::models::Gpt model(ztrain::models::GptConfig::preset("tiny"), {.zero_level = 3});
+///   ztrain::init_parameters(*model, {.init = ztrain::models::gpt_init(model->config())});
+///   auto loss = model->loss(tokens);                       // tokens [batch, seq + 1]
+
+#include <ztrain/zero/block.h>
+#include <ztrain/zero/block_list.h>
+#include <ztrain/zero/distributed_parameter.h>
+#include <ztrain/zero/init_parameters.h>
+
+#include <string>
+#include <vector>
+
+namespace ztrain::models {
+
+struct GptConfig {
+  int64_t vocab_size = 256;
+  int64_t context = 256;
+  int64_t d_model = 128;
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  double dropout = 0.0;  // embeddings, attention probabilities, residual branches
+  double layer_norm_eps = 1e-5;
+
+  /// "tiny", "small", "medium", "gpt2" (124M: vocab 50257, context 1024, 12 × 768, 12 heads).
+  static GptConfig preset(const std::string& name);
+  static std::vector<std::string> preset_names();
+  /// Throws ztrain::Error naming the first invalid field.
+  void validate() const;
+  /// Parameters (the tied head counted once).
+  int64_t num_parameters() const;
+  /// Forward + backward FLOPs per token (6 per parameter-use plus attention).
+  double flops_per_token(int64_t seq) const;
+};
+
+/// Hugging Face's Conv1D: weight (in, out), y = x W + b.
+struct Conv1DImpl : torch::nn::Module {
+  Conv1DImpl(int64_t in, int64_t out);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Conv1D);
+
+struct GptAttentionImpl : torch::nn::Module {
+  explicit GptAttentionImpl(const GptConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t n_head;
+  Conv1D c_attn, c_proj;
+  torch::nn::Dropout attn_dropout, resid_dropout;
+};
+TORCH_MODULE(GptAttention);
+
+struct GptMlpImpl : torch::nn::Module {
+  explicit GptMlpImpl(const GptConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  Conv1D c_fc, c_proj;
+  torch::nn::Dropout dropout;
+};
+TORCH_MODULE(GptMlp);
+
+/// One transformer block (plain libtorch; GptImpl wraps it in a ztrain Block).
+struct GptBlockImpl : torch::nn::Module {
+  explicit GptBlockImpl(const GptConfig& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::LayerNorm ln_1, ln_2;
+  GptAttention attn;
+  GptMlp mlp;
+};
+TORCH_MODULE(GptBlock);
+
+struct GptTransformerImpl : torch::nn::Module {
+  GptTransformerImpl(const GptConfig& c, const BlockOptions& options);
+  DistributedParameter wte, wpe;
+  BlockList<GptBlock> h;
+  Block<torch::nn::LayerNorm> ln_f;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(GptTransformer);
+
+class GptImpl : public torch::nn::Module {
+ public:
+  GptImpl(GptConfig config, BlockOptions options = {});
+
+  /// Logits [batch, seq, vocab] for tokens [batch, seq] (seq ≤ context).
+  torch::Tensor forward(const torch::Tensor& tokens);
+  /// Mean next-token cross-entropy over tokens [batch, seq + 1]: inputs tokens[:, :-1],
+  /// targets tokens[:, 1:].
+  torch::Tensor loss(const torch::Tensor& tokens);
+  const GptConfig& config() const { return config_; }
+
+  GptTransformer transformer;
+
+ private:
+  GptConfig config_;
+};
+
+/// The module holder of GptImpl.
+class Gpt : public torch::nn::ModuleHolder<GptImpl> {
+ public:
+  using torch::nn::ModuleHolder<GptImpl>::ModuleHolder;
+  Gpt(GptConfig config, BlockOptions options = {})
+      : ModuleHolder(std::make_shared<GptImpl>(std::move(config), options)) {}
+};
+
+/// GPT-2's initialisation: weights N(0, 0.02²), the residual projections (c_proj)
+/// N(0, (0.02/√(2·n_layer))²), biases zero, LayerNorm scales one.
+ParameterInit gpt_init(const GptConfig& config);
+
+}  // namespace ztrain::models

@@ -1,0 +1,159 @@
+#include <ztrain/models/gpt.h>
+
+#include <ztrain/error.h>
+
+#include <cmath>
+
+namespace ztrain::models {
+
+// ---- configuration -----------------------------------------------------------------------------
+
+GptConfig GptConfig::preset(const std::string& name) {
+  if (name == "tiny") return {.vocab_size = 256, .context = 64, .d_model = 64, .n_layer = 2, .n_head = 2};
+  if (name == "small") return {.vocab_size = 256, .context = 256, .d_model = 256, .n_layer = 4, .n_head = 4};
+  if (name == "medium") return {.vocab_size = 256, .context = 512, .d_model = 512, .n_layer = 8, .n_head = 8};
+  if (name == "gpt2") return {.vocab_size = 50257, .context = 1024, .d_model = 768, .n_layer = 12, .n_head = 12, .dropout = 0.1};
+  std::string names;
+  for (const auto& n : preset_names()) names += " " + n;
+  ZTRAIN_CHECK(false, "unknown GPT preset '", name, "'; presets:", names);
+  return {};
+}
+
+std::vector<std::string> GptConfig::preset_names() { return {"tiny", "small", "medium", "gpt2"}; }
+
+void GptConfig::validate() const {
+  ZTRAIN_CHECK(vocab_size > 0, "GPT: vocab_size must be > 0, got ", vocab_size);
+  ZTRAIN_CHECK(context > 0, "GPT: context must be > 0, got ", context);
+  ZTRAIN_CHECK(n_layer >= 0, "GPT: n_layer must be >= 0, got ", n_layer);
+  ZTRAIN_CHECK(n_head > 0 && d_model > 0 && d_model % n_head == 0, "GPT: d_model (", d_model,
+               ") must be a positive multiple of n_head (", n_head, ")");
+  ZTRAIN_CHECK(dropout >= 0 && dropout < 1, "GPT: dropout must be in [0, 1), got ", dropout);
+}
+
+int64_t GptConfig::num_parameters() const {
+  const int64_t d = d_model;
+  const int64_t block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
+  return vocab_size * d + context * d + n_layer * block + 2 * d;
+}
+
+double GptConfig::flops_per_token(int64_t seq) const {
+  // 6 FLOPs per parameter used per token (forward 2, backward 4) — the position embedding is a
+  // lookup, not a matmul — plus attention scores and weighted sums: 2 · 2 · seq · d per layer
+  // forward, ×3 with backward (PaLM appendix B).
+  const double matmul_params = static_cast<double>(num_parameters() - context * d_model);
+  return 6.0 * matmul_params + 12.0 * n_layer * seq * d_model;
+}
+
+// ---- layers ------------------------------------------------------------------------------------
+
+Conv1DImpl::Conv1DImpl(int64_t in, int64_t out) {
+  weight = register_parameter("weight", torch::empty({in, out}).normal_(0.0, 0.02));
+  bias = register_parameter("bias", torch::zeros({out}));
+}
+
+torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = weight.size(1);
+  return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(sizes);
+}
+
+GptAttentionImpl::GptAttentionImpl(const GptConfig& c)
+    : n_head(c.n_head), c_attn(c.d_model, 3 * c.d_model), c_proj(c.d_model, c.d_model),
+      attn_dropout(c.dropout), resid_dropout(c.dropout) {
+  register_module("c_attn", c_attn);
+  register_module("c_proj", c_proj);
+  register_module("attn_dropout", attn_dropout);
+  register_module("resid_dropout", resid_dropout);
+}
+
+torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
+  const auto b = x.size(0), t = x.size(1), d = x.size(2), hd = d / n_head;
+  auto qkv = c_attn(x).view({b, t, 3, n_head, hd}).permute({2, 0, 3, 1, 4});  // [3, b, h, t, hd]
+  auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  auto causal = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+  scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
+  auto probs = attn_dropout(torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type()));
+  auto y = torch::matmul(probs, qkv[2]).transpose(1, 2).reshape({b, t, d});
+  return resid_dropout(c_proj(y));
+}
+
+GptMlpImpl::GptMlpImpl(const GptConfig& c) : c_fc(c.d_model, 4 * c.d_model), c_proj(4 * c.d_model, c.d_model), dropout(c.dropout) {
+  register_module("c_fc", c_fc);
+  register_module("c_proj", c_proj);
+  register_module("dropout", dropout);
+}
+
+torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) { return dropout(c_proj(torch::gelu(c_fc(x), "tanh"))); }
+
+GptBlockImpl::GptBlockImpl(const GptConfig& c)
+    : ln_1(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)),
+      ln_2(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)), attn(c), mlp(c) {
+  register_module("ln_1", ln_1);
+  register_module("attn", attn);
+  register_module("ln_2", ln_2);
+  register_module("mlp", mlp);
+}
+
+torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
+  auto h = x + attn(ln_1(x));
+  return h + mlp(ln_2(h));
+}
+
+GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options)
+    : wte(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02), {.zero_level = options.zero_level}),
+      wpe(torch::empty({c.context, c.d_model}).normal_(0.0, 0.01), {.zero_level = options.zero_level}),
+      h(c.n_layer, [&](int64_t) { return GptBlock(c); }, options),
+      ln_f(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)),
+           {.zero_level = options.zero_level, .use_checkpoint = false}),
+      drop(c.dropout) {
+  register_module("wte", wte);
+  register_module("wpe", wpe);
+  register_module("drop", drop);
+  register_module("h", h);
+  register_module("ln_f", ln_f);
+}
+
+// ---- the model ---------------------------------------------------------------------------------
+
+GptImpl::GptImpl(GptConfig config, BlockOptions options)
+    : transformer((config.validate(), config), options), config_(std::move(config)) {
+  register_module("transformer", transformer);
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
+  ZTRAIN_CHECK(tokens.dim() == 2, "GPT: tokens must be [batch, seq], got ", tokens.sizes());
+  const auto t = tokens.size(1);
+  ZTRAIN_CHECK(t <= config_.context, "GPT: sequence length ", t, " exceeds the context ", config_.context);
+  auto& tr = *transformer;
+  auto wte = tr.wte();
+  auto positions = torch::arange(t, torch::kLong);
+  auto x = tr.drop(torch::embedding(wte, tokens) + torch::embedding(tr.wpe(), positions));
+  x = tr.ln_f(tr.h(x));
+  return torch::matmul(x, wte.t());
+}
+
+torch::Tensor GptImpl::loss(const torch::Tensor& tokens) {
+  ZTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) >= 2, "GPT loss: tokens must be [batch, seq + 1] with seq >= 1, got ",
+               tokens.sizes());
+  auto logits = forward(tokens.slice(1, 0, -1));
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
+                                              tokens.slice(1, 1).reshape(-1));
+}
+
+ParameterInit gpt_init(const GptConfig& config) {
+  const double proj_std = 0.02 / std::sqrt(2.0 * std::max<int64_t>(config.n_layer, 1));
+  return [proj_std](const std::string& name, torch::Tensor& value, at::Generator& gen) {
+    auto ends_with = [&](const std::string& suffix) {
+      return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    if (ends_with("c_proj.weight")) {
+      value.normal_(0.0, proj_std, gen);
+    } else if (ends_with("wpe.weight")) {
+      value.normal_(0.0, 0.01, gen);
+    } else {
+      gpt2_init(name, value, gen);
+    }
+  };
+}
+
+}  // namespace ztrain::models

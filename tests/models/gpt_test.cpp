@@ -1,0 +1,117 @@
+// The GPT model: Hugging Face names and layouts, and the same loss as an independent PyTorch
+// GPT-2 (tests/models/gpt_reference.py) on weights going both ways.
+
+#include "test_util.h"
+
+#include <filesystem>
+#include <fstream>
+
+namespace ztrain::test {
+namespace {
+
+using models::Gpt;
+using models::GptConfig;
+
+const char* kScript = ZTRAIN_GPT_REFERENCE;  // set by CMake
+const char* kPython = ZTRAIN_PYTHON;
+
+std::string shared_dir() {
+  std::string dir;
+  if (runtime().rank() == 0) {
+    dir = (std::filesystem::temp_directory_path() / c10::str("ztrain_gpt_test_", ::getpid())).string();
+    std::filesystem::create_directories(dir);
+  }
+  return runtime().world().broadcast_bytes(dir, 0);
+}
+
+std::string run(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  EXPECT_EQ(::pclose(p), 0) << cmd << "\n" << out;
+  return out;
+}
+
+double python_loss(const std::string& file, const torch::Tensor& tokens, int64_t n_head) {
+  const auto path = file + ".tokens";
+  {
+    std::ofstream f(path);
+    for (int64_t i = 0; i < tokens.size(0); ++i) {
+      for (int64_t j = 0; j < tokens.size(1); ++j) f << tokens[i][j].item<int64_t>() << ' ';
+      f << '\n';
+    }
+  }
+  const auto out = run(c10::str(kPython, " ", kScript, " loss ", file, " ", path, " ", n_head));
+  const auto at = out.find("loss=");
+  EXPECT_NE(at, std::string::npos) << out;
+  return at == std::string::npos ? 0 : std::stod(out.substr(at + 5));
+}
+
+const GptConfig kConfig{.vocab_size = 96, .context = 16, .d_model = 32, .n_layer = 2, .n_head = 4};
+
+TEST(Gpt, NamesAndShapesAreHuggingFaces) {
+  Gpt model(kConfig, {.zero_level = 3});
+  std::vector<std::string> names;
+  for (const auto& r : named_parameter_refs(*model)) names.push_back(c10::str(r.name, c10::IntArrayRef(r.shape)));
+  const std::vector<std::string> want = {
+      "transformer.wte.weight[96, 32]", "transformer.wpe.weight[16, 32]",
+      "transformer.h.0.ln_1.weight[32]", "transformer.h.0.ln_1.bias[32]",
+      "transformer.h.0.attn.c_attn.weight[32, 96]", "transformer.h.0.attn.c_attn.bias[96]",
+      "transformer.h.0.attn.c_proj.weight[32, 32]", "transformer.h.0.attn.c_proj.bias[32]",
+      "transformer.h.0.ln_2.weight[32]", "transformer.h.0.ln_2.bias[32]",
+      "transformer.h.0.mlp.c_fc.weight[32, 128]", "transformer.h.0.mlp.c_fc.bias[128]",
+      "transformer.h.0.mlp.c_proj.weight[128, 32]", "transformer.h.0.mlp.c_proj.bias[32]"};
+  ASSERT_EQ(names.size(), 2u + 2 * 12 + 2);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(names[i], want[i]);
+  EXPECT_EQ(names[names.size() - 2], "transformer.ln_f.weight[32]");
+  int64_t total = 0;
+  for (const auto& [n, t] : gathered_parameters(*model)) total += t.numel();
+  EXPECT_EQ(total, kConfig.num_parameters());
+  EXPECT_EQ(GptConfig::preset("gpt2").num_parameters(), 124439808);  // GPT-2 small, tied head
+}
+
+TEST(Gpt, MatchesAnIndependentPyTorchGpt2BothWays) {
+  ASSERT_EQ(world_size(), expected_world_size());
+  const auto dir = shared_dir();
+  auto tokens = torch::randint(kConfig.vocab_size, {3, 12}, at::detail::createCPUGenerator(4), torch::kLong);
+  for (int level : {0, 3}) {
+    // ztrain → PyTorch
+    Gpt model(kConfig, {.zero_level = level});
+    init_parameters(*model, {.seed = 1, .init = models::gpt_init(kConfig)});
+    const auto file = c10::str(dir, "/ours", level, ".safetensors");
+    save(*model, file);
+    torch::NoGradGuard no_grad;
+    const auto ours = model->loss(tokens).item<double>();
+    if (runtime().rank() == 0) {
+      EXPECT_NEAR(ours, python_loss(file, tokens, kConfig.n_head), 1e-5 * ours);
+    }
+
+    // PyTorch → ztrain
+    const auto theirs_file = c10::str(dir, "/theirs", level, ".safetensors");
+    if (runtime().rank() == 0) {
+      run(c10::str(kPython, " ", kScript, " write ", theirs_file, " 7 ", kConfig.vocab_size, " ", kConfig.context, " ",
+                   kConfig.d_model, " ", kConfig.n_layer));
+    }
+    synchronize();
+    load(*model, theirs_file);
+    const auto loaded = model->loss(tokens).item<double>();
+    if (runtime().rank() == 0) {
+      EXPECT_NEAR(loaded, python_loss(theirs_file, tokens, kConfig.n_head), 1e-5 * loaded);
+    }
+  }
+  synchronize();
+  if (runtime().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST(Gpt, BadConfigurationsAreRejected) {
+  EXPECT_NE(error_message([] { Gpt(GptConfig{.d_model = 30, .n_head = 4}); }).find("multiple of n_head"), std::string::npos);
+  EXPECT_NE(error_message([] { GptConfig::preset("huge"); }).find("tiny"), std::string::npos);
+  Gpt model(kConfig, {.zero_level = 2});
+  EXPECT_NE(error_message([&] { model(torch::zeros({1, 17}, torch::kLong)); }).find("exceeds the context 16"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace ztrain::test
