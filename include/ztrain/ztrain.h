@@ -15,6 +15,7 @@
 #include <ztrain/models/gpt.h>
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>
+#include <ztrain/optim/optim_manager.h>
 #include <ztrain/runtime/runtime.h>
 #include <ztrain/version.h>
 #include <ztrain/zero/block.h>

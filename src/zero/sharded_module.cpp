@@ -112,6 +112,9 @@ class ZeroContext : public std::enable_shared_from_this<ZeroContext> {
   void add_storage(const void* s) { storages_.insert(s); }
   void remove_storage(const void* s) { storages_.erase(s); }
   bool owns_storage(const void* s) const { return storages_.count(s) != 0; }
+  void add_dp_shard(const void* t) { dp_shards_.insert(t); }
+  void remove_dp_shard(const void* t) { dp_shards_.erase(t); }
+  bool is_dp_shard(const void* t) const { return dp_shards_.count(t) != 0; }
 
  private:
   struct Pending {
@@ -138,6 +141,7 @@ class ZeroContext : public std::enable_shared_from_this<ZeroContext> {
   CommStream reduce_;
   std::deque<Pending> pending_;
   std::unordered_set<const void*> storages_;  // full buffers of live sharded modules
+  std::unordered_set<const void*> dp_shards_;  // shards of levels 1-3 (different on every dp rank)
 };
 
 /// One forward call awaiting its backward.
@@ -293,6 +297,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
       detail::free_storage(group.full);
     }
     context_->add_storage(group.full.storage().unsafeGetStorageImpl());
+    if (options_.zero_level >= 1) context_->add_dp_shard(group.shard.unsafeGetTensorImpl());
     register_parameter(c10::str("zero_shard_", g), group.shard, group.requires_grad);
     gathered_versions_.push_back(group.shard._version());
     groups_.push_back(std::move(group));
@@ -307,7 +312,10 @@ ShardedModule::~ShardedModule() {
   } catch (...) {
     // Never throw from a destructor; the failure was or will be reported by its collective.
   }
-  for (auto& g : groups_) context_->remove_storage(g.full.storage().unsafeGetStorageImpl());
+  for (auto& g : groups_) {
+    context_->remove_storage(g.full.storage().unsafeGetStorageImpl());
+    context_->remove_dp_shard(g.shard.unsafeGetTensorImpl());
+  }
 }
 
 void ShardedModule::train(bool on) {
@@ -608,6 +616,11 @@ std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn
   }
   if (release_current) current->release();
   return out;
+}
+
+bool is_dp_sharded(const torch::Tensor& t) {
+  auto context = detail::ZeroContext::existing();
+  return context && t.defined() && context->is_dp_shard(t.unsafeGetTensorImpl());
 }
 
 void wait_gradient_reductions() {

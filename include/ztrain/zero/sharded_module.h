@@ -166,6 +166,10 @@ torch::Tensor full_parameter(const NamedParameterRef& ref);
 /// model on every rank, so for tests and small models — save() writes block by block).
 std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn::Module& module);
 
+/// Whether `t` is a shard a sharded module at level 1–3 registered: each dp rank holds
+/// different elements (gradient norms count it on every rank; replicated tensors once).
+bool is_dp_sharded(const torch::Tensor& t);
+
 /// Waits for the gradient reductions still in flight (backward() waits for them itself; this
 /// is for code that calls torch::autograd::grad or runs backward on another thread).
 void wait_gradient_reductions();

@@ -1,0 +1,147 @@
+#include <ztrain/optim/optim_manager.h>
+
+#include <ztrain/error.h>
+#include <ztrain/runtime/init.h>
+#include <ztrain/zero/sharded_module.h>
+
+#include <cmath>
+
+namespace ztrain::optim {
+
+OptimManager::OptimManager(LossScaler scaler) : scaler_(std::move(scaler)) {}
+
+void OptimManager::add_optimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<LRScheduler> scheduler) {
+  for (auto* o : optimizers_) ZTRAIN_CHECK(o != &optimizer, "OptimManager: this optimizer was added already");
+  optimizers_.push_back(&optimizer);
+  schedulers_.push_back(std::move(scheduler));
+  if (schedulers_.back()) schedulers_.back()->apply(optimizer);
+}
+
+std::vector<torch::Tensor> OptimManager::gradients() const {
+  std::vector<torch::Tensor> out;
+  for (auto* o : optimizers_) {
+    for (const auto& group : o->param_groups()) {
+      for (const auto& p : group.params()) {
+        if (p.grad().defined()) out.push_back(p.grad());
+      }
+    }
+  }
+  return out;
+}
+
+void OptimManager::zero_grad() {
+  for (auto* o : optimizers_) {
+    for (auto& group : o->param_groups()) {
+      for (auto& p : group.params()) p.mutable_grad().reset();
+    }
+  }
+  unscaled_ = false;
+}
+
+void OptimManager::backward(const torch::Tensor& loss) {
+  ZTRAIN_CHECK(loss.numel() == 1, "OptimManager::backward: the loss must have one element, got ", loss.sizes());
+  const double scale = scaler_.scale();
+  (scale == 1.0 ? loss : loss * scale).backward();
+  wait_gradient_reductions();
+  unscaled_ = false;
+}
+
+void OptimManager::unscale() {
+  wait_gradient_reductions();
+  if (unscaled_) return;
+  unscaled_ = true;
+  const double scale = scaler_.scale();
+  if (scale == 1.0) return;
+  torch::NoGradGuard no_grad;
+  for (auto& g : gradients()) g.mul_(1.0 / scale);
+}
+
+double OptimManager::grad_norm() {
+  unscale();
+  // Each element once: a dp-sharded gradient is distinct on every dp rank; a replicated one is
+  // the same on all of them, so each copy contributes 1/dp of its square sum.
+  const int dp = is_initialized() ? runtime().dp().size() : 1;
+  double local = 0;
+  for (auto* o : optimizers_) {
+    for (const auto& group : o->param_groups()) {
+      for (const auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        const double sq = p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
+        local += is_dp_sharded(p) ? sq : sq / dp;
+      }
+    }
+  }
+  auto total = torch::tensor({local}, torch::kFloat64);
+  if (is_initialized()) runtime().world().all_reduce(total);
+  return std::sqrt(total.item<double>());
+}
+
+double OptimManager::clip_grad_norm(double max_norm) {
+  ZTRAIN_CHECK(max_norm > 0, "clip_grad_norm: max_norm must be > 0, got ", max_norm);
+  const double norm = grad_norm();
+  if (std::isfinite(norm) && norm > max_norm) {
+    torch::NoGradGuard no_grad;
+    const double coef = max_norm / (norm + 1e-6);
+    for (auto& g : gradients()) g.mul_(coef);
+  }
+  return norm;
+}
+
+bool OptimManager::step() {
+  unscale();
+  bool overflow = false;
+  for (const auto& g : gradients()) {
+    if (!torch::isfinite(g).all().item<bool>()) {
+      overflow = true;
+      break;
+    }
+  }
+  auto flag = torch::tensor({overflow ? 1 : 0}, torch::kInt32);
+  if (is_initialized()) runtime().world().all_reduce(flag, ReduceOp::kMax);
+  const bool apply = scaler_.update(flag.item<int>() != 0);
+  if (apply) {
+    for (size_t i = 0; i < optimizers_.size(); ++i) {
+      if (schedulers_[i]) schedulers_[i]->apply(*optimizers_[i]);
+      optimizers_[i]->step();
+      if (schedulers_[i]) {
+        schedulers_[i]->step();
+        schedulers_[i]->apply(*optimizers_[i]);
+      }
+    }
+    ++steps_;
+  } else {
+    ++skipped_;
+  }
+  zero_grad();
+  return apply;
+}
+
+double OptimManager::current_lr() const {
+  if (!schedulers_.empty() && schedulers_[0]) return schedulers_[0]->current_lr();
+  ZTRAIN_CHECK(!optimizers_.empty() && !optimizers_[0]->param_groups().empty(), "OptimManager: no optimizer");
+  return optimizers_[0]->param_groups()[0].options().get_lr();
+}
+
+OptimManagerState OptimManager::state() const {
+  OptimManagerState s{.scaler = scaler_.state(), .steps = steps_, .skipped = skipped_};
+  for (const auto& sch : schedulers_) s.schedulers.push_back(sch ? std::optional(sch->state()) : std::nullopt);
+  return s;
+}
+
+void OptimManager::load_state(const OptimManagerState& s) {
+  ZTRAIN_CHECK(s.schedulers.size() == schedulers_.size(), "OptimManager::load_state: the state has ",
+               s.schedulers.size(), " optimizers, this manager ", schedulers_.size());
+  for (size_t i = 0; i < schedulers_.size(); ++i) {
+    ZTRAIN_CHECK(s.schedulers[i].has_value() == (schedulers_[i] != nullptr), "OptimManager::load_state: optimizer ",
+                 i, (schedulers_[i] ? " has" : " has no"), " schedule here but the state says otherwise");
+    if (schedulers_[i]) {
+      schedulers_[i]->load_state(*s.schedulers[i]);
+      schedulers_[i]->apply(*optimizers_[i]);
+    }
+  }
+  scaler_.load_state(s.scaler);
+  steps_ = s.steps;
+  skipped_ = s.skipped;
+}
+
+}  // namespace ztrain::optim
