@@ -12,6 +12,7 @@
 #include <ztrain/ckpt/safetensors.h>
 #include <ztrain/comm/comm.h>
 #include <ztrain/error.h>
+#include <ztrain/optim/adam.h>
 #include <ztrain/models/gpt.h>
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>
