@@ -9,6 +9,7 @@
 ///     zt::print_rank("loss ", zt::sum_loss(loss).item<double>());
 ///   }
 #include <ztrain/ckpt/model_file.h>
+#include <ztrain/ckpt/optimizer_state.h>
 #include <ztrain/ckpt/safetensors.h>
 #include <ztrain/comm/comm.h>
 #include <ztrain/error.h>

@@ -1,0 +1,186 @@
+#include <ztrain/ckpt/optimizer_state.h>
+
+#include "sharded_io.h"
+
+#include <ztrain/error.h>
+#include <ztrain/optim/adam.h>
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <unordered_map>
+
+// How it works: every optimizer parameter is matched to the model parameters it holds — all
+// entries of a sharded module's group (its shard) or one plain parameter. A state tensor of
+// that parameter has the parameter's layout, so it is written with the same pieces and offsets
+// as the parameter itself, one file entry per (model parameter, state name). Reading fills a
+// zeroed tensor laid out like the parameter with the elements this rank holds.
+
+namespace ztrain {
+
+namespace {
+
+/// The model parameters one optimizer parameter holds.
+struct Holder {
+  ShardedModule* owner = nullptr;
+  size_t group = 0;
+  std::vector<NamedParameterRef> refs;  // in layout order for a group; one for a plain parameter
+};
+
+std::unordered_map<const void*, Holder> holders(torch::nn::Module& model) {
+  std::unordered_map<const void*, Holder> out;
+  for (const auto& r : named_parameter_refs(model)) {
+    const auto& t = r.owner ? r.owner->groups()[r.group].shard : r.tensor;
+    auto& h = out[t.unsafeGetTensorImpl()];
+    h.owner = r.owner;
+    h.group = r.group;
+    h.refs.push_back(r);
+  }
+  return out;
+}
+
+const Holder& holder_of(const std::unordered_map<const void*, Holder>& all, const torch::Tensor& p) {
+  auto it = all.find(p.unsafeGetTensorImpl());
+  ZTRAIN_CHECK(it != all.end(), "optimizer state: the optimizer holds a parameter of shape ", p.sizes(),
+               " that is not one of the model's (pass the model the optimizer was built on)");
+  return it->second;
+}
+
+/// The state of one parameter: named tensors with the parameter's layout, and its step.
+struct ParamState {
+  std::map<std::string, torch::Tensor> tensors;
+  std::optional<int64_t> step;
+};
+
+const torch::optim::OptimizerParamState* torch_state(const torch::optim::Optimizer& opt, const torch::Tensor& p) {
+  auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  return it == opt.state().end() ? nullptr : it->second.get();
+}
+
+ParamState get_state(torch::optim::Optimizer& opt, const torch::Tensor& p) {
+  ParamState s;
+  auto put = [&](const char* name, const torch::Tensor& t) {
+    if (t.defined()) s.tensors[name] = t;
+  };
+  if (auto* ours = dynamic_cast<optim::AdamW*>(&opt)) {
+    if (const auto* a = ours->state_of(p)) {
+      put("exp_avg", a->exp_avg);
+      put("exp_avg_sq", a->exp_avg_sq);
+      put("master", a->master);
+      s.step = a->step;
+    }
+    return s;
+  }
+  const auto* base = torch_state(opt, p);
+  if (!base) return s;
+  if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(base)) {
+    put("exp_avg", a->exp_avg());
+    put("exp_avg_sq", a->exp_avg_sq());
+    put("max_exp_avg_sq", a->max_exp_avg_sq());
+    s.step = a->step();
+  } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(base)) {
+    put("exp_avg", w->exp_avg());
+    put("exp_avg_sq", w->exp_avg_sq());
+    put("max_exp_avg_sq", w->max_exp_avg_sq());
+    s.step = w->step();
+  } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(base)) {
+    put("momentum_buffer", g->momentum_buffer());
+  } else {
+    ZTRAIN_CHECK(false, "optimizer state: this optimizer's state type is not supported (ztrain AdamW/Adam, "
+                        "torch::optim Adam, AdamW, SGD are)");
+  }
+  return s;
+}
+
+void set_state(torch::optim::Optimizer& opt, const torch::Tensor& p, ParamState s) {
+  auto get = [&](const char* name) { return s.tensors.count(name) ? s.tensors.at(name) : torch::Tensor(); };
+  if (auto* ours = dynamic_cast<optim::AdamW*>(&opt)) {
+    ours->set_state(p, {.step = s.step.value_or(0), .exp_avg = get("exp_avg"), .exp_avg_sq = get("exp_avg_sq"),
+                        .master = get("master")});
+    return;
+  }
+  const auto key = c10::guts::to_string(p.unsafeGetTensorImpl());
+  if (dynamic_cast<torch::optim::Adam*>(&opt)) {
+    auto st = std::make_unique<torch::optim::AdamParamState>();
+    st->step(s.step.value_or(0)).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq")).max_exp_avg_sq(get("max_exp_avg_sq"));
+    opt.state()[key] = std::move(st);
+  } else if (dynamic_cast<torch::optim::AdamW*>(&opt)) {
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(s.step.value_or(0)).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq")).max_exp_avg_sq(get("max_exp_avg_sq"));
+    opt.state()[key] = std::move(st);
+  } else if (dynamic_cast<torch::optim::SGD*>(&opt)) {
+    auto st = std::make_unique<torch::optim::SGDParamState>();
+    st->momentum_buffer(get("momentum_buffer"));
+    opt.state()[key] = std::move(st);
+  } else {
+    ZTRAIN_CHECK(false, "optimizer state: this optimizer is not supported (ztrain AdamW/Adam, torch::optim Adam, "
+                        "AdamW, SGD are)");
+  }
+}
+
+std::vector<torch::Tensor> optimizer_params(const torch::optim::Optimizer& opt) {
+  std::vector<torch::Tensor> out;
+  for (const auto& g : opt.param_groups()) {
+    for (const auto& p : g.params()) out.push_back(p);
+  }
+  return out;
+}
+
+detail::ShardedEntry entry_for(const NamedParameterRef& r, const std::string& state, const torch::Tensor& source) {
+  return {.name = r.name + "." + state, .dtype = source.scalar_type(), .shape = r.shape, .owner = r.owner,
+          .group = r.group, .entry = r.entry, .source = source};
+}
+
+}  // namespace
+
+void save_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const std::string& path,
+                          const SaveOptions& options) {
+  const auto all = holders(model);
+  std::vector<detail::ShardedEntry> entries;
+  nlohmann::json steps = nlohmann::json::object();
+  for (const auto& p : optimizer_params(optimizer)) {
+    const auto& h = holder_of(all, p);
+    // Every rank must describe the same entries: a state created lazily on a step counts
+    // everywhere, because all ranks step the same parameters.
+    auto s = get_state(optimizer, p);
+    for (const auto& [name, t] : s.tensors) {
+      ZTRAIN_CHECK(t.numel() == p.numel(), "optimizer state '", name, "' has ", t.numel(), " elements, its parameter ",
+                   p.numel());
+      for (const auto& r : h.refs) entries.push_back(entry_for(r, name, t.reshape(-1)));
+    }
+    if (s.step) {
+      for (const auto& r : h.refs) steps[r.name] = *s.step;
+    }
+  }
+  auto metadata = options.metadata;
+  metadata["format"] = "ztrain-optimizer";
+  metadata["steps"] = steps.dump();
+  detail::write_sharded(path, entries, metadata, options.parallel);
+}
+
+void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const std::string& path) {
+  ckpt::SafetensorsReader reader(path);
+  const auto all = holders(model);
+  const auto& meta = reader.metadata();
+  ZTRAIN_CHECK(meta.count("format") && meta.at("format") == "ztrain-optimizer", "load_optimizer_state: '", path,
+               "' is not an optimizer state file (its metadata lacks format=ztrain-optimizer)");
+  const auto steps = nlohmann::json::parse(meta.count("steps") ? meta.at("steps") : "{}");
+  for (const auto& p : optimizer_params(optimizer)) {
+    const auto& h = holder_of(all, p);
+    ParamState s;
+    // The states saved for this parameter: those of its first model parameter.
+    const std::string prefix = h.refs.front().name + ".";
+    for (const auto& info : reader.entries()) {
+      if (info.name.rfind(prefix, 0) != 0) continue;
+      const auto state = info.name.substr(prefix.size());
+      if (state.find('.') != std::string::npos) continue;  // another parameter's name continues here
+      auto t = torch::zeros({p.numel()}, torch::TensorOptions().dtype(info.dtype));
+      for (const auto& r : h.refs) detail::read_sharded(reader, entry_for(r, state, t));
+      s.tensors[state] = t.view(p.sizes());
+    }
+    if (steps.contains(h.refs.front().name)) s.step = steps.at(h.refs.front().name).get<int64_t>();
+    if (!s.tensors.empty()) set_state(optimizer, p, std::move(s));
+  }
+}
+
+}  // namespace ztrain
