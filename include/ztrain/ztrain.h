@@ -8,6 +8,7 @@
 ///     auto loss = ...;                          // this rank's mean loss
 ///     zt::print_rank("loss ", zt::sum_loss(loss).item<double>());
 ///   }
+#include <ztrain/ckpt/checkpoint.h>
 #include <ztrain/ckpt/model_file.h>
 #include <ztrain/ckpt/optimizer_state.h>
 #include <ztrain/ckpt/safetensors.h>

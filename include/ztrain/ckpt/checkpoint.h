@@ -1,0 +1,63 @@
+#pragma once
+/// Training checkpoints: everything a run needs to continue — at the same or another world size.
+///
+/// A checkpoint is a directory `<root>/step-<8 digits>/` holding
+///   model.safetensors      every parameter, full tensors, plain names (see save())
+///   optimizer.safetensors  every optimizer state tensor, full-sized, by parameter name
+///   rng.safetensors        each rank's CPU generator state
+///   manifest.json          step, world layout, OptimManager state (loss scaler, schedules,
+///                          step counters), the caller's extra JSON (data position, config), and
+///                          the SHA-256 of every file
+/// Files are written by all ranks in parallel into a temporary directory, fsynced, then rank 0
+/// writes the manifest, renames the directory into place and, last, points `<root>/latest` at
+/// it. A save killed at any moment leaves the previous checkpoints intact; load verifies every
+/// file against the manifest and names a corrupt or missing one. The model and optimizer files
+/// do not depend on the world size, so a run resumes on any number of ranks (each rank reads
+/// the elements it holds); generator states are restored only at the same world size.
+///
+/// save_checkpoint and load_checkpoint are collective over the world.
+///
+///   ztrain::TrainingState state{*model, optimizer, manager};
+///   ztrain::save_checkpoint("ckpt", step, state, R"({"data": {"step": 120}})");
+///   if (auto dir = ztrain::latest_checkpoint("ckpt")) auto info = ztrain::load_checkpoint(*dir, state);
+
+#include <ztrain/optim/optim_manager.h>
+
+#include <torch/torch.h>
+
+#include <optional>
+#include <string>
+
+namespace ztrain {
+
+struct TrainingState {
+  torch::nn::Module& model;
+  torch::optim::Optimizer& optimizer;
+  optim::OptimManager& manager;
+};
+
+struct CheckpointOptions {
+  /// Keep only the newest keep_last checkpoints under the root (0: keep all).
+  int keep_last = 0;
+};
+
+struct CheckpointInfo {
+  std::string dir;
+  int64_t step = 0;
+  int world_size = 0;
+  /// The extra JSON given to save_checkpoint.
+  std::string extra_json;
+};
+
+/// Writes the checkpoint of `step` under `root` and returns its directory.
+std::string save_checkpoint(const std::string& root, int64_t step, const TrainingState& state,
+                            const std::string& extra_json = "{}", const CheckpointOptions& options = {});
+
+/// The newest complete checkpoint under `root`: the one `latest` names if it is complete, else
+/// the highest step with a manifest; nullopt when there is none. Not collective.
+std::optional<std::string> latest_checkpoint(const std::string& root);
+
+/// Verifies and loads the checkpoint in `dir` into `state`.
+CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& state);
+
+}  // namespace ztrain

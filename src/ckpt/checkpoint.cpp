@@ -1,0 +1,240 @@
+#include <ztrain/ckpt/checkpoint.h>
+
+#include "sha256.h"
+
+#include <ztrain/ckpt/model_file.h>
+#include <ztrain/ckpt/optimizer_state.h>
+#include <ztrain/ckpt/safetensors.h>
+#include <ztrain/error.h>
+#include <ztrain/runtime/init.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+namespace ztrain {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kFiles[] = {"model.safetensors", "optimizer.safetensors", "rng.safetensors"};
+
+/// Runs fn on world rank 0; its failure becomes every rank's (no rank is left waiting).
+void on_rank0(const std::function<void()>& fn) {
+  std::string error;
+  if (runtime().rank() == 0) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  error = runtime().world().broadcast_bytes(error, 0);
+  ZTRAIN_CHECK(error.empty(), error);
+}
+
+void fsync_path(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+void write_file_atomically(const fs::path& path, const std::string& text) {
+  const auto tmp = fs::path(path.string() + ".tmp");
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    ZTRAIN_CHECK(out, "checkpoint: cannot write '", tmp.string(), "'");
+    out << text;
+    out.flush();
+    ZTRAIN_CHECK(out, "checkpoint: writing '", tmp.string(), "' failed");
+  }
+  fsync_path(tmp);
+  fs::rename(tmp, path);
+  fsync_path(path.parent_path());
+}
+
+std::string step_name(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+json manager_json(const optim::OptimManagerState& s) {
+  json scheds = json::array();
+  for (const auto& sch : s.schedulers) scheds.push_back(sch ? json{{"kind", sch->kind}, {"step", sch->step}} : json());
+  return {{"scaler",
+           {{"mode", static_cast<int>(s.scaler.mode)},
+            {"scale", s.scaler.scale},
+            {"growth_tracker", s.scaler.growth_tracker},
+            {"hysteresis_left", s.scaler.hysteresis_left}}},
+          {"schedulers", scheds},
+          {"steps", s.steps},
+          {"skipped", s.skipped}};
+}
+
+optim::OptimManagerState manager_state(const json& j) {
+  optim::OptimManagerState s;
+  const auto& sc = j.at("scaler");
+  s.scaler = {.mode = static_cast<LossScaleMode>(sc.at("mode").get<int>()),
+              .scale = sc.at("scale").get<double>(),
+              .growth_tracker = sc.at("growth_tracker").get<int64_t>(),
+              .hysteresis_left = sc.at("hysteresis_left").get<int64_t>()};
+  for (const auto& sch : j.at("schedulers")) {
+    if (sch.is_null()) {
+      s.schedulers.push_back(std::nullopt);
+    } else {
+      s.schedulers.push_back(LRSchedulerState{sch.at("kind").get<std::string>(), sch.at("step").get<int64_t>()});
+    }
+  }
+  s.steps = j.at("steps").get<int64_t>();
+  s.skipped = j.at("skipped").get<int64_t>();
+  return s;
+}
+
+std::optional<int64_t> parse_step(const std::string& name) {
+  if (name.size() != 13 || name.rfind("step-", 0) != 0) return std::nullopt;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(name[i]))) return std::nullopt;
+  }
+  return std::stoll(name.substr(5));
+}
+
+json read_manifest(const fs::path& dir) {
+  const auto path = dir / "manifest.json";
+  std::ifstream in(path);
+  ZTRAIN_CHECK(in, "checkpoint: '", path.string(), "' is missing (an incomplete checkpoint?)");
+  try {
+    return json::parse(in);
+  } catch (const std::exception& e) {
+    ZTRAIN_CHECK(false, "checkpoint: '", path.string(), "' is not valid JSON: ", e.what());
+  }
+  return {};
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, int64_t step, const TrainingState& state,
+                            const std::string& extra_json, const CheckpointOptions& options) {
+  ZTRAIN_CHECK(step >= 0, "save_checkpoint: step must be >= 0, got ", step);
+  json extra;
+  try {
+    extra = json::parse(extra_json);
+  } catch (const std::exception& e) {
+    ZTRAIN_CHECK(false, "save_checkpoint: extra_json is not valid JSON: ", e.what());
+  }
+  auto& rt = runtime();
+  const fs::path final_dir = fs::path(root) / step_name(step);
+  std::string tmp_dir;
+  on_rank0([&] {
+    fs::create_directories(root);
+    tmp_dir = (fs::path(root) / c10::str(".", step_name(step), ".tmp-", ::getpid())).string();
+    fs::remove_all(tmp_dir);
+    fs::create_directories(tmp_dir);
+  });
+  tmp_dir = rt.world().broadcast_bytes(tmp_dir, 0);
+  const fs::path tmp(tmp_dir);
+
+  save(state.model, (tmp / "model.safetensors").string());
+  save_optimizer_state(state.model, state.optimizer, (tmp / "optimizer.safetensors").string());
+  // Every rank's generator state, written by rank 0.
+  const auto mine = at::detail::getDefaultCPUGenerator().get_state();
+  const auto all = rt.world().all_gather_bytes(
+      std::string_view(reinterpret_cast<const char*>(mine.data_ptr()), static_cast<size_t>(mine.nbytes())));
+  on_rank0([&] {
+    std::vector<std::pair<std::string, torch::Tensor>> rng;
+    for (size_t r = 0; r < all.size(); ++r) {
+      auto t = torch::empty({static_cast<int64_t>(all[r].size())}, torch::kUInt8);
+      std::memcpy(t.data_ptr(), all[r].data(), all[r].size());
+      rng.emplace_back(c10::str("rank", r), t);
+    }
+    ckpt::save_safetensors((tmp / "rng.safetensors").string(), rng);
+
+    const auto& topo = rt.topology();
+    json files = json::object();
+    for (const char* f : kFiles) files[f] = detail::sha256_file((tmp / f).string());
+    const json manifest = {{"format", "ztrain-checkpoint"},
+                           {"version", 1},
+                           {"step", step},
+                           {"world", {{"size", rt.world_size()}, {"dp", topo.dp_size()}, {"tp", topo.tp_size()}, {"pp", topo.pp_size()}}},
+                           {"optim_manager", manager_json(state.manager.state())},
+                           {"extra", extra},
+                           {"files", files}};
+    write_file_atomically(tmp / "manifest.json", manifest.dump(2));
+    fsync_path(tmp);
+    // Into place: an older checkpoint of the same step is moved aside first, removed after.
+    const fs::path aside = fs::path(root) / c10::str(".", step_name(step), ".old-", ::getpid());
+    if (fs::exists(final_dir)) fs::rename(final_dir, aside);
+    fs::rename(tmp, final_dir);
+    fsync_path(root);
+    write_file_atomically(fs::path(root) / "latest", step_name(step) + "\n");
+    fs::remove_all(aside);
+    if (options.keep_last > 0) {
+      std::vector<std::pair<int64_t, fs::path>> dirs;
+      for (const auto& d : fs::directory_iterator(root)) {
+        if (auto s = parse_step(d.path().filename().string()); s && d.is_directory()) dirs.emplace_back(*s, d.path());
+      }
+      std::sort(dirs.begin(), dirs.end());
+      for (size_t i = 0; i + options.keep_last < dirs.size(); ++i) fs::remove_all(dirs[i].second);
+    }
+  });
+  return final_dir.string();
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& root) {
+  if (!fs::is_directory(root)) return std::nullopt;
+  std::ifstream latest(fs::path(root) / "latest");
+  std::string name;
+  if (latest >> name && parse_step(name) && fs::exists(fs::path(root) / name / "manifest.json")) {
+    return (fs::path(root) / name).string();
+  }
+  std::optional<std::pair<int64_t, fs::path>> best;
+  for (const auto& d : fs::directory_iterator(root)) {
+    auto s = parse_step(d.path().filename().string());
+    if (s && fs::exists(d.path() / "manifest.json") && (!best || *s > best->first)) best = {{*s, d.path()}};
+  }
+  return best ? std::optional(best->second.string()) : std::nullopt;
+}
+
+CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& state) {
+  auto& rt = runtime();
+  json manifest;
+  on_rank0([&] {
+    manifest = read_manifest(dir);
+    ZTRAIN_CHECK(manifest.value("format", "") == "ztrain-checkpoint", "checkpoint: '", dir,
+                 "/manifest.json' is not a ztrain checkpoint manifest");
+    for (const char* f : kFiles) {
+      const auto path = (fs::path(dir) / f).string();
+      ZTRAIN_CHECK(fs::exists(path), "checkpoint: '", path, "' is missing");
+      const auto want = manifest.at("files").at(f).get<std::string>();
+      const auto got = detail::sha256_file(path);
+      ZTRAIN_CHECK(got == want, "checkpoint: '", path, "' is corrupt: its SHA-256 is ", got, ", the manifest says ", want);
+    }
+  });
+  manifest = json::parse(rt.world().broadcast_bytes(rt.rank() == 0 ? manifest.dump() : std::string(), 0));
+
+  load(state.model, (fs::path(dir) / "model.safetensors").string());
+  load_optimizer_state(state.model, state.optimizer, (fs::path(dir) / "optimizer.safetensors").string());
+  state.manager.load_state(manager_state(manifest.at("optim_manager")));
+  CheckpointInfo info{.dir = dir,
+                      .step = manifest.at("step").get<int64_t>(),
+                      .world_size = manifest.at("world").at("size").get<int>(),
+                      .extra_json = manifest.at("extra").dump()};
+  if (info.world_size == rt.world_size()) {
+    ckpt::SafetensorsReader rng((fs::path(dir) / "rng.safetensors").string());
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng.read(c10::str("rank", rt.rank())));
+  }
+  return info;
+}
+
+}  // namespace ztrain

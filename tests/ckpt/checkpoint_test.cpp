@@ -1,0 +1,124 @@
+// Training checkpoints: exact resume, atomic publication, corruption detected by name.
+
+#include "../../src/ckpt/sha256.h"
+#include "../zero/zero_model.h"
+#include "test_util.h"
+
+#include <filesystem>
+#include <fstream>
+
+namespace ztrain::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(Sha256, KnownVectors) {
+  EXPECT_EQ(detail::sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(detail::sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(detail::sha256_hex(std::string(1000000, 'a')),
+            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+struct Trainer {
+  ZeroModel model{ModelConfig{.dropout = 0.1}, BlockOptions{.zero_level = 3}, 2};
+  optim::AdamW opt{model->parameters(), optim::AdamOptions(1e-2)};
+  optim::OptimManager mgr{LossScaler::dynamic({.initial_scale = 1024, .growth_interval = 3})};
+  int64_t step = 0;
+  explicit Trainer(uint64_t seed) {
+    init_parameters(*model, {.seed = seed});
+    mgr.add_optimizer(opt, std::make_shared<lr_scheduler::Cosine>(
+                               LRSchedulerOptions{.peak_lr = 1e-2, .warmup_steps = 2, .total_steps = 30}));
+  }
+  TrainingState state() { return {*model, opt, mgr}; }
+  void train(int n) {
+    const int dp = runtime().dp().size(), r = runtime().dp().rank(), local = 4 / dp;
+    for (int i = 0; i < n; ++i, ++step) {
+      auto tokens = batch_tokens(step, 4, 8, 32).slice(0, r * local, (r + 1) * local);
+      mgr.zero_grad();
+      mgr.backward(lm_loss(model(tokens), tokens));  // with dropout: the generator state matters
+      mgr.step();
+    }
+  }
+};
+
+std::string shared_root(const std::string& stem) {
+  std::string dir;
+  if (runtime().rank() == 0) {
+    dir = (fs::temp_directory_path() / c10::str("ztrain_ckpt_", stem, "_", ::getpid())).string();
+    fs::remove_all(dir);
+  }
+  return runtime().world().broadcast_bytes(dir, 0);
+}
+
+TEST(Checkpoint, ResumeContinuesBitForBit) {
+  ASSERT_EQ(world_size(), expected_world_size());
+  const auto root = shared_root("resume");
+  torch::manual_seed(100 + rank());
+  Trainer reference(1);
+  reference.train(5);
+  const auto dir = save_checkpoint(root, reference.step, reference.state(), R"({"data": {"position": 5}})");
+  EXPECT_EQ(latest_checkpoint(root), dir);
+  reference.train(5);
+
+  torch::manual_seed(999);  // another generator state: the checkpoint restores it
+  Trainer resumed(7);
+  const auto info = load_checkpoint(*latest_checkpoint(root), resumed.state());
+  EXPECT_EQ(info.step, 5);
+  EXPECT_EQ(info.world_size, world_size());
+  EXPECT_EQ(info.extra_json, R"({"data":{"position":5}})");
+  resumed.step = info.step;
+  resumed.train(5);
+  const auto want = gathered_parameters(*reference.model), got = gathered_parameters(*resumed.model);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(got[i].second.equal(want[i].second)) << want[i].first;
+  EXPECT_EQ(resumed.mgr.state(), reference.mgr.state());
+  synchronize();
+  if (rank() == 0) fs::remove_all(root);
+}
+
+TEST(Checkpoint, CorruptOrMissingFilesAreNamed) {
+  const auto root = shared_root("corrupt");
+  Trainer t(1);
+  t.train(1);
+  const auto dir = save_checkpoint(root, 1, t.state());
+  synchronize();
+  if (rank() == 0) {
+    std::fstream f(dir + "/optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x5a');
+  }
+  synchronize();
+  const auto msg = error_message([&] { load_checkpoint(dir, t.state()); });
+  EXPECT_NE(msg.find("optimizer.safetensors"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
+  const auto second = save_checkpoint(root, 2, t.state());
+  synchronize();
+  if (rank() == 0) fs::remove(second + "/rng.safetensors");
+  synchronize();
+  EXPECT_NE(error_message([&] { load_checkpoint(second, t.state()); }).find("rng.safetensors' is missing"),
+            std::string::npos);
+  synchronize();
+  if (rank() == 0) fs::remove_all(root);
+}
+
+TEST(Checkpoint, IncompleteSavesAreIgnoredAndOldOnesPruned) {
+  const auto root = shared_root("atomic");
+  Trainer t(1);
+  for (int s : {1, 2, 3}) save_checkpoint(root, s, t.state(), "{}", {.keep_last = 2});
+  synchronize();
+  if (rank() == 0) {
+    EXPECT_FALSE(fs::exists(root + "/step-00000001"));
+    EXPECT_TRUE(fs::exists(root + "/step-00000002"));
+    // A save killed before its rename, and one killed before `latest` moved on.
+    fs::create_directories(root + "/.step-00000004.tmp-1");
+    fs::create_directories(root + "/step-00000005");  // no manifest: incomplete
+    EXPECT_EQ(latest_checkpoint(root), root + "/step-00000003");
+    std::ofstream(root + "/latest") << "step-00000009\n";  // names a checkpoint that is gone
+    EXPECT_EQ(latest_checkpoint(root), root + "/step-00000003");
+  }
+  EXPECT_EQ(latest_checkpoint(root + "/nothing-here"), std::nullopt);
+  synchronize();
+  if (rank() == 0) fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace ztrain::test
