@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The main job: installs dependencies, builds, and launches ztrain-gpt on 2 ranks (or
-# $ZTRAIN_RANKS). Extra arguments go to ztrain-gpt.
+# The main job: installs dependencies, builds, and trains a small GPT with ztrain-gpt on 2 ranks
+# (or $ZTRAIN_RANKS) on the bundled Shakespeare corpus, with checkpoints; run it again to
+# continue from the latest checkpoint. Extra arguments replace the default ones, e.g.
+#   scripts/train.sh train --data my_texts/ --preset medium --steps 5000 --zero-level 3
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
@@ -10,4 +12,14 @@ ranks=${ZTRAIN_RANKS:-2}
 flags=(--bind-to none)
 (( ranks > $(nproc) )) && flags+=(--oversubscribe)
 [[ $(id -u) -eq 0 ]] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-exec mpirun -np "$ranks" "${flags[@]}" "$build/apps/ztrain-gpt/ztrain-gpt" "$@"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / ranks > 0 ? $(nproc) / ranks : 1 ))}
+args=("$@")
+if (( ${#args[@]} == 0 )); then
+  args=(train --data "$root/data/tinyshakespeare.txt" --preset small --seq 128 --batch 8 --steps 300
+        --zero-level 3 --eval-interval 100 --ckpt-interval 100 --out "$root/runs/gpt" --resume)
+fi
+mpirun -np "$ranks" "${flags[@]}" "$build/apps/ztrain-gpt/ztrain-gpt" "${args[@]}"
+if [[ ${args[0]} == train && ${#@} -eq 0 ]]; then
+  "$build/apps/ztrain-gpt/ztrain-gpt" plot --metrics "$root/runs/gpt/metrics.jsonl" --out "$root/runs/gpt"
+  "$build/apps/ztrain-gpt/ztrain-gpt" sample --model "$root/runs/gpt/model.safetensors" --prompt "ROMEO:" --tokens 200
+fi

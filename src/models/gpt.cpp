@@ -28,6 +28,15 @@ void GptConfig::validate() const {
   ZTRAIN_CHECK(n_head > 0 && d_model > 0 && d_model % n_head == 0, "GPT: d_model (", d_model,
                ") must be a positive multiple of n_head (", n_head, ")");
   ZTRAIN_CHECK(dropout >= 0 && dropout < 1, "GPT: dropout must be in [0, 1), got ", dropout);
+  ZTRAIN_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16,
+               "GPT: dtype must be float32, bfloat16 or float16, got ", dtype);
+  if (dtype == torch::kFloat16) {
+    try {
+      torch::matmul(torch::ones({2, 2}, torch::kFloat16), torch::ones({2, 2}, torch::kFloat16));
+    } catch (const std::exception&) {
+      ZTRAIN_CHECK(false, "GPT: this libtorch build has no float16 matmul on this device; use bfloat16");
+    }
+  }
 }
 
 int64_t GptConfig::num_parameters() const {
@@ -100,11 +109,22 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
 }
 
 GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options)
-    : wte(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02), {.zero_level = options.zero_level}),
-      wpe(torch::empty({c.context, c.d_model}).normal_(0.0, 0.01), {.zero_level = options.zero_level}),
-      h(c.n_layer, [&](int64_t) { return GptBlock(c); }, options),
-      ln_f(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)),
-           {.zero_level = options.zero_level, .use_checkpoint = false}),
+    : wte(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02).to(c.dtype), {.zero_level = options.zero_level}),
+      wpe(torch::empty({c.context, c.d_model}).normal_(0.0, 0.01).to(c.dtype), {.zero_level = options.zero_level}),
+      h(c.n_layer,
+        [&](int64_t) {
+          GptBlock block(c);
+          block->to(c.dtype);
+          return block;
+        },
+        options),
+      ln_f(
+          [&] {
+            torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps));
+            ln->to(c.dtype);
+            return ln;
+          }(),
+          {.zero_level = options.zero_level, .use_checkpoint = false}),
       drop(c.dropout) {
   register_module("wte", wte);
   register_module("wpe", wpe);

@@ -49,6 +49,8 @@ struct GptConfig {
   int64_t n_head = 4;
   double dropout = 0.0;  // embeddings, attention probabilities, residual branches
   double layer_norm_eps = 1e-5;
+  /// The parameters' and activations' dtype: fp32 or bf16 (optimizers keep fp32 masters).
+  c10::ScalarType dtype = c10::ScalarType::Float;
 
   /// "tiny", "small", "medium", "gpt2" (124M: vocab 50257, context 1024, 12 × 768, 12 heads).
   static GptConfig preset(const std::string& name);

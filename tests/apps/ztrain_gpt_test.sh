@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Usage: ztrain_gpt_test.sh ZTRAIN_GPT MPIRUN CORPUS WORKDIR
+# Trains a tiny GPT on 2 ranks with checkpoints, resumes on 1 rank, and runs every subcommand.
+set -euo pipefail
+gpt=$1 mpirun=$2 corpus=$3 work=$4
+rm -rf "$work" && mkdir -p "$work"
+head -c 200000 "$corpus" > "$work/corpus.txt"
+mp=("$mpirun" --oversubscribe --bind-to none)
+common=(--data "$work/corpus.txt" --preset tiny --seq 32 --eval-interval 10 --eval-batches 2 --ckpt-interval 10
+        --out "$work/run" --zero-level 3 --recompute)
+fail() { echo "ztrain_gpt_test: $*"; exit 1; }
+
+"${mp[@]}" -np 2 "$gpt" train "${common[@]}" --batch 4 --steps 20 | tee "$work/train.log"
+[[ -f $work/run/model.safetensors ]] || fail "no model file"
+[[ $(cat "$work/run/checkpoints/latest") == step-00000020 ]] || fail "latest does not name step 20"
+[[ $(wc -l < "$work/run/metrics.jsonl") -eq 20 ]] || fail "metrics.jsonl should hold 20 steps"
+
+# Resume on 1 rank with the same global batch (8), to step 30.
+"${mp[@]}" -np 1 "$gpt" train "${common[@]}" --batch 8 --steps 30 --resume | tee "$work/resume.log"
+grep -q "resumed from .*step-00000020 (step 20, saved at 2 ranks)" "$work/resume.log" || fail "did not resume"
+[[ $(wc -l < "$work/run/metrics.jsonl") -eq 30 ]] || fail "metrics.jsonl should hold 30 steps"
+first=$(head -1 "$work/run/metrics.jsonl" | sed 's/.*"loss":\([0-9.]*\).*/\1/')
+last=$(tail -1 "$work/run/metrics.jsonl" | sed 's/.*"loss":\([0-9.]*\).*/\1/')
+awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }' || fail "loss did not fall: $first -> $last"
+
+"$gpt" eval --model "$work/run/model.safetensors" --data "$work/corpus.txt" --seq 32 --eval-batches 2 | grep -q '^val_loss=' \
+  || fail "eval printed no val_loss"
+head -c 3000 "$corpus" > "$work/score.txt"
+score=$("$gpt" score --model "$work/run/model.safetensors" --input "$work/score.txt")
+[[ $score =~ ^loss=[0-9.]+$ ]] || fail "score printed '$score'"
+awk -v s="${score#loss=}" 'BEGIN { exit !(s > 0 && s < 5.0) }' || fail "score out of range: $score"
+"$gpt" sample --model "$work/run/model.safetensors" --prompt "ROMEO:" --tokens 40 > "$work/sample.txt"
+[[ $(head -c 6 "$work/sample.txt") == ROMEO: ]] || fail "sample does not start with the prompt"
+"$gpt" plot --metrics "$work/run/metrics.jsonl" --out "$work/run" | grep -q loss.png || fail "no loss plot"
+[[ $(head -c 4 "$work/run/loss.png" | tail -c 3) == PNG ]] || fail "loss.png is not a PNG"
+
+# Bad input: clear errors, non-zero exit.
+if "$gpt" train --data "$work/missing.txt" --preset tiny --steps 1 > "$work/err1.log" 2>&1; then fail "missing data accepted"; fi
+grep -q "missing.txt" "$work/err1.log" || fail "the missing-data error does not name the file: $(cat "$work/err1.log")"
+if "$gpt" train --data "$work/corpus.txt" --preset tiny --zero-level 5 > "$work/err2.log" 2>&1; then fail "zero level 5 accepted"; fi
+grep -qi "zero-level" "$work/err2.log" || fail "the zero-level error does not name the option: $(cat "$work/err2.log")"
+if "$gpt" score --model "$work/corpus.txt" --input "$work/score.txt" > "$work/err3.log" 2>&1; then fail "a text file loaded as a model"; fi
+grep -q "corpus.txt" "$work/err3.log" || fail "the bad-model error does not name the file: $(cat "$work/err3.log")"
+echo "ztrain_gpt_test: all passed"
