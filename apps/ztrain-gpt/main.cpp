@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -133,6 +134,29 @@ Gpt load_model(const std::string& path) {
 
 // ---- train ---------------------------------------------------------------------------------------
 
+/// Crash tests: ZTRAIN_GPT_KILL="<phase>:<step>:<rank>" makes world rank <rank> die by SIGKILL at
+/// the start of step <step> (phase "step") or inside the checkpoint save of step <step>, after its
+/// files are written and before it is published (phase "save").
+struct KillSwitch {
+  std::string phase;
+  int64_t step = -1;
+  int rank = -1;
+
+  static KillSwitch from_env() {
+    KillSwitch k;
+    if (const char* v = std::getenv("ZTRAIN_GPT_KILL")) {
+      std::string s(v);
+      const auto a = s.find(':'), b = s.rfind(':');
+      ZTRAIN_CHECK(a != std::string::npos && b > a, "ZTRAIN_GPT_KILL must be <step|save>:<step>:<rank>, got '", s, "'");
+      k = {s.substr(0, a), std::stoll(s.substr(a + 1, b - a - 1)), std::stoi(s.substr(b + 1))};
+    }
+    return k;
+  }
+  void at(const std::string& phase_now, int64_t step_now) const {
+    if (phase_now == phase && step_now == step && zt::rank() == rank) ::raise(SIGKILL);
+  }
+};
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainArgs& a, std::vector<torch::Tensor> params) {
   if (a.optimizer == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(a.lr).momentum(0.9));
   auto options = (a.optimizer == "adam" ? zt::optim::AdamOptions::adam(a.lr) : zt::optim::AdamOptions(a.lr))
@@ -212,8 +236,10 @@ int train(TrainArgs a) {
   std::ostream discard(nullptr);  // other ranks' progress goes nowhere
   zt::gpt_app::ProgressBar bar(a.steps, zt::gpt_app::stdout_is_terminal() && rt.rank() == 0, {.start_step = step},
                                rt.rank() == 0 ? std::cout : discard);
+  const auto kill = KillSwitch::from_env();
   const auto start = Clock::now();
   for (; step < a.steps; ++step) {
+    kill.at("step", step + 1);
     const auto t0 = Clock::now();
     mgr.zero_grad();
     double loss_sum = 0;
@@ -240,7 +266,7 @@ int train(TrainArgs a) {
     bar.update(step + 1, m);
     if (a.ckpt_interval > 0 && (step + 1) % a.ckpt_interval == 0) {
       const auto dir = zt::save_checkpoint(ckpt_dir, step + 1, state, json{{"sampler", sampler.state()}}.dump(),
-                                           {.keep_last = a.keep_last});
+                                           {.keep_last = a.keep_last, .before_publish = [&] { kill.at("save", step + 1); }});
       bar.print("checkpoint " + dir);
     }
   }

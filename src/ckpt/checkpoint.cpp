@@ -149,6 +149,7 @@ std::string save_checkpoint(const std::string& root, int64_t step, const Trainin
   const auto mine = at::detail::getDefaultCPUGenerator().get_state();
   const auto all = rt.world().all_gather_bytes(
       std::string_view(reinterpret_cast<const char*>(mine.data_ptr()), static_cast<size_t>(mine.nbytes())));
+  if (options.before_publish) options.before_publish();
   on_rank0([&] {
     std::vector<std::pair<std::string, torch::Tensor>> rng;
     for (size_t r = 0; r < all.size(); ++r) {

@@ -25,6 +25,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -39,6 +40,9 @@ struct TrainingState {
 struct CheckpointOptions {
   /// Keep only the newest keep_last checkpoints under the root (0: keep all).
   int keep_last = 0;
+  /// Called on every rank once all files are in the temporary directory, before the manifest
+  /// is written and the directory published (for progress reports and crash tests).
+  std::function<void()> before_publish;
 };
 
 struct CheckpointInfo {
