@@ -113,21 +113,29 @@ GptConfig config_from_json(const json& j) {
           .layer_norm_eps = j.value("layer_norm_eps", 1e-5), .dtype = parse_dtype(j.value("dtype", "fp32"))};
 }
 
-/// A model file written by `train` records its configuration in the safetensors metadata.
-GptConfig config_of_model_file(const std::string& path) {
-  zt::ckpt::SafetensorsReader reader(path);
-  const auto& meta = reader.metadata();
-  ZTRAIN_CHECK(meta.count("ztrain_gpt_config"), "'", path,
-               "' has no ztrain_gpt_config metadata: it was not written by ztrain-gpt train");
-  return config_from_json(json::parse(meta.at("ztrain_gpt_config")));
-}
-
-/// The model of a file, ready for inference, replicated (level 0) on every rank.
+/// The model of a file written by `train` (its configuration is in the file's metadata) or of a
+/// checkpoint directory (the configuration is in its manifest), ready for inference, replicated
+/// (level 0) on every rank.
 Gpt load_model(const std::string& path) {
-  auto config = config_of_model_file(path);
+  GptConfig config;
+  std::string file = path;
+  if (fs::is_directory(path)) {
+    file = path + "/model.safetensors";
+    std::ifstream manifest(path + "/manifest.json");
+    ZTRAIN_CHECK(manifest, "'", path, "' is a directory without manifest.json: not a checkpoint");
+    const auto extra = json::parse(manifest).at("extra");
+    ZTRAIN_CHECK(extra.contains("config"), "checkpoint '", path, "' was not written by ztrain-gpt train");
+    config = config_from_json(extra.at("config"));
+  } else {
+    zt::ckpt::SafetensorsReader reader(path);
+    const auto& meta = reader.metadata();
+    ZTRAIN_CHECK(meta.count("ztrain_gpt_config"), "'", path,
+                 "' has no ztrain_gpt_config metadata: it was not written by ztrain-gpt train");
+    config = config_from_json(json::parse(meta.at("ztrain_gpt_config")));
+  }
   config.dropout = 0;
   Gpt model(config, {.zero_level = 0, .use_checkpoint = false});
-  zt::load(*model, path, {.strict = false});
+  zt::load(*model, file, {.strict = false});
   model->eval();
   return model;
 }
@@ -265,7 +273,8 @@ int train(TrainArgs a) {
     if (metrics) metrics->write(step + 1, m, extra);
     bar.update(step + 1, m);
     if (a.ckpt_interval > 0 && (step + 1) % a.ckpt_interval == 0) {
-      const auto dir = zt::save_checkpoint(ckpt_dir, step + 1, state, json{{"sampler", sampler.state()}}.dump(),
+      const auto dir = zt::save_checkpoint(ckpt_dir, step + 1, state,
+                                           json{{"sampler", sampler.state()}, {"config", config_json(config)}}.dump(),
                                            {.keep_last = a.keep_last, .before_publish = [&] { kill.at("save", step + 1); }});
       bar.print("checkpoint " + dir);
     }
@@ -384,8 +393,9 @@ int main(int argc, char** argv) {
   double validation_fraction = 0.05, temperature = 0.8;
   int64_t seq = 128, batch = 8, eval_batches = 8, tokens = 200, top_k = 40;
   uint64_t seed = 1;
-  auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model file");
-  eval_cmd->add_option("--model", model_path, "model.safetensors written by train")->required();
+  auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model file or a checkpoint");
+  eval_cmd->add_option("--model", model_path, "model.safetensors written by train, or a checkpoint directory")
+      ->required();
   eval_cmd->add_option("--data", data, "the training corpus (its validation split is used)")->required();
   eval_cmd->add_option("--validation-fraction", validation_fraction)->capture_default_str();
   eval_cmd->add_option("--seq", seq)->capture_default_str();

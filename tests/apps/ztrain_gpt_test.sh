@@ -25,6 +25,8 @@ awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }' || fail "loss did
 
 "$gpt" eval --model "$work/run/model.safetensors" --data "$work/corpus.txt" --seq 32 --eval-batches 2 | grep -q '^val_loss=' \
   || fail "eval printed no val_loss"
+"$gpt" eval --model "$work/run/checkpoints/step-00000030" --data "$work/corpus.txt" --seq 32 --eval-batches 2 \
+  | grep -q '^val_loss=' || fail "eval of a checkpoint printed no val_loss"
 head -c 3000 "$corpus" > "$work/score.txt"
 score=$("$gpt" score --model "$work/run/model.safetensors" --input "$work/score.txt")
 [[ $score =~ ^loss=[0-9.]+$ ]] || fail "score printed '$score'"
