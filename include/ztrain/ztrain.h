@@ -20,6 +20,8 @@
 #include <ztrain/optim/lr_scheduler.h>
 #include <ztrain/optim/optim_manager.h>
 #include <ztrain/runtime/runtime.h>
+#include <ztrain/tp/layers.h>
+#include <ztrain/tp/split.h>
 #include <ztrain/version.h>
 #include <ztrain/zero/block.h>
 #include <ztrain/zero/block_list.h>

@@ -12,8 +12,7 @@ namespace {
 std::vector<detail::ShardedEntry> model_entries(torch::nn::Module& model) {
   std::vector<detail::ShardedEntry> out;
   for (const auto& r : named_parameter_refs(model)) {
-    out.push_back({.name = r.name, .dtype = r.dtype, .shape = r.shape, .owner = r.owner, .group = r.group,
-                   .entry = r.entry, .source = r.owner ? r.owner->groups()[r.group].shard : r.tensor});
+    out.push_back(detail::entry_of(r, r.name, r.owner ? r.owner->groups()[r.group].shard : r.tensor));
   }
   return out;
 }

@@ -127,8 +127,7 @@ std::vector<torch::Tensor> optimizer_params(const torch::optim::Optimizer& opt) 
 }
 
 detail::ShardedEntry entry_for(const NamedParameterRef& r, const std::string& state, const torch::Tensor& source) {
-  return {.name = r.name + "." + state, .dtype = source.scalar_type(), .shape = r.shape, .owner = r.owner,
-          .group = r.group, .entry = r.entry, .source = source};
+  return detail::entry_of(r, r.name + "." + state, source);
 }
 
 }  // namespace

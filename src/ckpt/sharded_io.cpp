@@ -2,6 +2,7 @@
 
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/tp/split.h>
 
 #include <sys/stat.h>
 
@@ -31,36 +32,76 @@ std::vector<ShardPiece> own_pieces(const ShardedEntry& e, int rank) {
   return out;
 }
 
-void write_parallel(ckpt::SafetensorsWriter& w, const std::vector<ShardedEntry>& entries, int rank) {
-  for (const auto& e : entries) {
-    if (!e.owner) {
-      if (rank == 0) w.write(e.name, e.source.detach());
-      continue;
+/// The values of entries on this tp rank, in their parameters' (slice) shapes. Sharded
+/// sources are all-gathered over dp, one flat buffer at a time (consecutive entries of one
+/// group share it), so this is collective over dp for them.
+class DpGatherer {
+ public:
+  explicit DpGatherer(Communicator* dp) : dp_(dp) {}
+
+  torch::Tensor local(const ShardedEntry& e) {
+    if (!e.owner) return e.source.detach();
+    const auto& layout = e.owner->groups()[e.group].layout;
+    if (e.owner->zero_level() == 0 || !dp_) {
+      full_ = e.source.detach();
+    } else if (!from_.defined() || !from_.is_same(e.source)) {
+      full_ = torch::empty({layout.total_numel()}, e.source.options());
+      dp_->all_gather(e.source.detach(), full_);
     }
-    for (const auto& p : own_pieces(e, rank)) {
-      w.write_range(e.name, p.begin, e.source.detach().narrow(0, source_offset(e, p), p.end - p.begin));
+    from_ = e.source;
+    const auto& entry = layout.entries()[e.entry];
+    return full_.narrow(0, entry.offset, entry.numel).view(entry.shape);
+  }
+
+ private:
+  Communicator* dp_;
+  torch::Tensor from_, full_;
+};
+
+/// Who takes part in a save: every rank with a runtime, one rank without.
+struct Party {
+  Communicator* dp = nullptr;
+  Communicator* tp = nullptr;
+  int world_rank = 0;
+};
+
+/// The unsplit value of a tensor-parallel entry (collective over dp and tp).
+torch::Tensor unsplit(DpGatherer& gatherer, const ShardedEntry& e, const Party& party) {
+  return tp::assemble(gatherer.local(e), *e.split, *party.tp);
+}
+
+/// Each rank writes the pieces it holds: dp shards of the first tp rank's replicas directly,
+/// tensor-parallel entries (not contiguous in the file) assembled on world rank 0.
+void write_parallel(ckpt::SafetensorsWriter& w, const std::vector<ShardedEntry>& entries, const Party& party) {
+  DpGatherer gatherer(party.dp);
+  for (const auto& e : entries) {
+    if (e.split) {
+      auto full = unsplit(gatherer, e, party);
+      if (party.world_rank == 0) w.write(e.name, full);
+    } else if (party.tp->rank() != 0) {
+      continue;  // a replica of what tp rank 0 writes
+    } else if (!e.owner) {
+      if (party.world_rank == 0) w.write(e.name, e.source.detach());
+    } else {
+      for (const auto& p : own_pieces(e, party.dp->rank())) {
+        w.write_range(e.name, p.begin, e.source.detach().narrow(0, source_offset(e, p), p.end - p.begin));
+      }
     }
   }
 }
 
-/// Rank 0 writes everything; sharded sources are all-gathered to full buffers one at a time.
-void write_gathered(ckpt::SafetensorsWriter* w, const std::vector<ShardedEntry>& entries, Communicator* dp) {
-  torch::Tensor gathered_from, full;
+/// Only `w`'s rank (world rank 0) writes; everything is gathered to it one entry at a time.
+void write_gathered(ckpt::SafetensorsWriter* w, const std::vector<ShardedEntry>& entries, const Party& party) {
+  DpGatherer gatherer(party.dp);
+  const bool first_tp_rank = !party.tp || party.tp->rank() == 0;
   for (const auto& e : entries) {
-    if (!e.owner) {
-      if (w) w->write(e.name, e.source.detach());
-      continue;
+    torch::Tensor value;
+    if (e.split) {
+      value = unsplit(gatherer, e, party);
+    } else if (first_tp_rank) {
+      value = gatherer.local(e);
     }
-    const auto& layout = e.owner->groups()[e.group].layout;
-    if (e.owner->zero_level() == 0 || !dp) {
-      full = e.source.detach();
-    } else if (!gathered_from.defined() || !gathered_from.is_same(e.source)) {
-      full = torch::empty({layout.total_numel()}, e.source.options());
-      dp->all_gather(e.source.detach(), full);
-    }
-    gathered_from = e.source;
-    const auto& entry = layout.entries()[e.entry];
-    if (w) w->write(e.name, full.narrow(0, entry.offset, entry.numel).view(e.shape));
+    if (w) w->write(e.name, value.reshape(e.shape));
   }
 }
 
@@ -71,6 +112,11 @@ bool visible(const std::string& path) {
 
 }  // namespace
 
+ShardedEntry entry_of(const NamedParameterRef& r, std::string name, const torch::Tensor& source) {
+  return {.name = std::move(name), .dtype = source.scalar_type(), .shape = r.full_shape(), .owner = r.owner,
+          .group = r.group, .entry = r.entry, .source = source, .split = r.tp_split()};
+}
+
 void write_sharded(const std::string& path, const std::vector<ShardedEntry>& entries, ckpt::Metadata metadata,
                    std::optional<bool> parallel) {
   std::vector<ckpt::TensorSpec> specs;
@@ -79,25 +125,27 @@ void write_sharded(const std::string& path, const std::vector<ShardedEntry>& ent
   if (!is_initialized()) {
     ZTRAIN_CHECK(!any_sharded(entries), "save '", path, "': sharded modules need init_distributed");
     ckpt::SafetensorsWriter w(path, specs, metadata);
-    write_gathered(&w, entries, nullptr);
+    write_gathered(&w, entries, {});
     w.commit();
     return;
   }
-  auto& dp = runtime().dp();
-  std::optional<ckpt::SafetensorsWriter> owner;  // rank 0 creates and commits the file
+  auto& rt = runtime();
+  auto& world = rt.world();
+  const Party party{.dp = &rt.dp(), .tp = &rt.tp(), .world_rank = world.rank()};
+  std::optional<ckpt::SafetensorsWriter> owner;  // world rank 0 creates and commits the file
   std::string error;
-  if (dp.rank() == 0) {
+  if (world.rank() == 0) {
     try {
       owner.emplace(path, specs, metadata);
     } catch (const std::exception& e) {
       error = e.what();
     }
   }
-  error = dp.broadcast_bytes(error, 0);
+  error = world.broadcast_bytes(error, 0);
   ZTRAIN_CHECK(error.empty(), error);
-  const auto temp_path = dp.broadcast_bytes(owner ? owner->temp_path() : std::string(), 0);
+  const auto temp_path = world.broadcast_bytes(owner ? owner->temp_path() : std::string(), 0);
   auto seen = torch::tensor({visible(temp_path) ? 1 : 0}, torch::kInt32);
-  dp.all_reduce(seen, ReduceOp::kMin);
+  world.all_reduce(seen, ReduceOp::kMin);
   const bool all_see = seen.item<int>() == 1;
   ZTRAIN_CHECK(all_see || parallel != true, "save: parallel writing was requested but not every rank sees '", temp_path,
                "' (a path on a filesystem the ranks do not share)");
@@ -105,16 +153,16 @@ void write_sharded(const std::string& path, const std::vector<ShardedEntry>& ent
     std::optional<ckpt::SafetensorsWriter> mine;
     if (!owner) mine.emplace(ckpt::SafetensorsWriter::open_existing(temp_path, specs, metadata));
     auto& w = owner ? *owner : *mine;
-    write_parallel(w, entries, dp.rank());
+    write_parallel(w, entries, party);
     w.flush();
     auto counts = torch::tensor(w.written_numel(), torch::kInt64);
-    dp.all_reduce(counts);
+    world.all_reduce(counts);
     if (owner) owner->commit(std::vector<int64_t>(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel()));
   } else {
-    write_gathered(owner ? &*owner : nullptr, entries, &dp);
+    write_gathered(owner ? &*owner : nullptr, entries, party);
     if (owner) owner->commit();
   }
-  dp.barrier();  // the file is published when save returns on any rank
+  world.barrier();  // the file is published when save returns on any rank
 }
 
 void read_sharded(const ckpt::SafetensorsReader& reader, const ShardedEntry& e) {
@@ -123,17 +171,21 @@ void read_sharded(const ckpt::SafetensorsReader& reader, const ShardedEntry& e) 
   ZTRAIN_CHECK(info.shape == e.shape, "load: '", e.name, "' in '", reader.path(), "' has shape ",
                c10::IntArrayRef(info.shape), ", the model's ", c10::IntArrayRef(e.shape));
   torch::NoGradGuard no_grad;
+  torch::Tensor slice;  // a tensor-parallel entry: this tp rank's slice, flat
+  if (e.split) slice = tp::slice(reader.read(e.name), *e.split, tp::group_rank(), tp::group_size()).view(-1);
   if (!e.owner) {
-    e.source.copy_(reader.read(e.name));
+    e.source.copy_(slice.defined() ? slice.view_as(e.source) : reader.read(e.name));
     return;
   }
   const auto& entry = e.owner->groups()[e.group].layout.entries()[e.entry];
   if (e.owner->zero_level() == 0) {
-    e.source.narrow(0, entry.offset, entry.numel).copy_(reader.read(e.name).reshape(-1));
+    e.source.narrow(0, entry.offset, entry.numel).copy_(slice.defined() ? slice : reader.read(e.name).reshape(-1));
     return;
   }
   for (const auto& p : own_pieces(e, runtime().dp().rank())) {
-    e.source.narrow(0, p.shard_offset, p.end - p.begin).copy_(reader.read_range(e.name, p.begin, p.end - p.begin));
+    const int64_t n = p.end - p.begin;
+    e.source.narrow(0, p.shard_offset, n).copy_(slice.defined() ? slice.narrow(0, p.begin, n)
+                                                                  : reader.read_range(e.name, p.begin, n));
   }
 }
 

@@ -1,7 +1,7 @@
 #pragma once
 // Writing and reading safetensors entries whose values are spread over the data-parallel
-// ranks the way a sharded module spreads its parameters. Shared by model files and optimizer
-// state files.
+// ranks the way a sharded module spreads its parameters, and over the tensor-parallel ranks
+// as slices of full tensors. Shared by model files and optimizer state files.
 
 #include <ztrain/ckpt/safetensors.h>
 #include <ztrain/zero/sharded_module.h>
@@ -15,7 +15,8 @@ namespace ztrain::detail {
 /// One file entry: the full tensor `name` [shape] of parameter (owner, group, entry). `source`
 /// holds this rank's part laid out like the group's shard — owner->groups()[group].shard (the
 /// full buffer at level 0) or an optimizer state shaped like it. Without an owner, `source` is
-/// the whole tensor (the same on every rank).
+/// the whole tensor (the same on every dp rank). With `split` (set only when the tp group has
+/// several ranks) the parameter is this tp rank's slice and `shape` the unsplit one.
 struct ShardedEntry {
   std::string name;
   c10::ScalarType dtype;
@@ -24,10 +25,14 @@ struct ShardedEntry {
   size_t group = 0;
   size_t entry = 0;
   torch::Tensor source;
+  std::optional<tp::Split> split;
 };
 
-/// Writes every entry to `path` (collective over dp when a runtime exists). `parallel` as
-/// SaveOptions::parallel.
+/// The entry of parameter `r` whose values are `source` (as ShardedEntry::source).
+ShardedEntry entry_of(const NamedParameterRef& r, std::string name, const torch::Tensor& source);
+
+/// Writes every entry to `path` (collective over the world when a runtime exists). `parallel`
+/// as SaveOptions::parallel.
 void write_sharded(const std::string& path, const std::vector<ShardedEntry>& entries, ckpt::Metadata metadata,
                    std::optional<bool> parallel);
 

@@ -1,6 +1,8 @@
 #include <ztrain/models/gpt.h>
 
+#include <ztrain/comm/functional.h>
 #include <ztrain/error.h>
+#include <ztrain/runtime/init.h>
 
 #include <cmath>
 
@@ -21,13 +23,19 @@ GptConfig GptConfig::preset(const std::string& name) {
 
 std::vector<std::string> GptConfig::preset_names() { return {"tiny", "small", "medium", "gpt2"}; }
 
-void GptConfig::validate() const {
+void GptConfig::validate(int tp_size) const {
   ZTRAIN_CHECK(vocab_size > 0, "GPT: vocab_size must be > 0, got ", vocab_size);
   ZTRAIN_CHECK(context > 0, "GPT: context must be > 0, got ", context);
   ZTRAIN_CHECK(n_layer >= 0, "GPT: n_layer must be >= 0, got ", n_layer);
   ZTRAIN_CHECK(n_head > 0 && d_model > 0 && d_model % n_head == 0, "GPT: d_model (", d_model,
                ") must be a positive multiple of n_head (", n_head, ")");
   ZTRAIN_CHECK(dropout >= 0 && dropout < 1, "GPT: dropout must be in [0, 1), got ", dropout);
+  ZTRAIN_CHECK(tp_size >= 1, "GPT: the tensor-parallel size must be >= 1, got ", tp_size);
+  for (const auto& [what, value] : {std::pair<const char*, int64_t>{"d_model", d_model}, {"n_head", n_head},
+                                    {"vocab_size", vocab_size}}) {
+    ZTRAIN_CHECK(value % tp_size == 0, "GPT: ", what, " (", value, ") is not divisible by the tensor-parallel size (",
+                 tp_size, ")");
+  }
   ZTRAIN_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kFloat16,
                "GPT: dtype must be float32, bfloat16 or float16, got ", dtype);
   if (dtype == torch::kFloat16) {
@@ -55,19 +63,21 @@ double GptConfig::flops_per_token(int64_t seq) const {
 
 // ---- layers ------------------------------------------------------------------------------------
 
-Conv1DImpl::Conv1DImpl(int64_t in, int64_t out) {
-  weight = register_parameter("weight", torch::empty({in, out}).normal_(0.0, 0.02));
-  bias = register_parameter("bias", torch::zeros({out}));
+namespace {
+/// GPT-2's Conv1D layout ([in, out]) for the parallel linears.
+tp::ColumnParallelLinear column(int64_t in, int64_t out, int64_t parts = 1) {
+  return tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions{
+      .in_features = in, .out_features = out, .fused_parts = parts, .layout = tp::WeightLayout::kInOut});
 }
-
-torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
-  auto sizes = x.sizes().vec();
-  sizes.back() = weight.size(1);
-  return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(sizes);
+tp::RowParallelLinear row(int64_t in, int64_t out) {
+  return tp::RowParallelLinear(
+      tp::RowParallelLinearOptions{.in_features = in, .out_features = out, .layout = tp::WeightLayout::kInOut});
 }
+}  // namespace
 
 GptAttentionImpl::GptAttentionImpl(const GptConfig& c)
-    : n_head(c.n_head), c_attn(c.d_model, 3 * c.d_model), c_proj(c.d_model, c.d_model),
+    : n_head(c.n_head / tp::group_size()), head_dim(c.d_model / c.n_head), c_attn(column(c.d_model, 3 * c.d_model, 3)),
+      c_proj(row(c.d_model, c.d_model)),
       attn_dropout(c.dropout), resid_dropout(c.dropout) {
   register_module("c_attn", c_attn);
   register_module("c_proj", c_proj);
@@ -76,17 +86,18 @@ GptAttentionImpl::GptAttentionImpl(const GptConfig& c)
 }
 
 torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
-  const auto b = x.size(0), t = x.size(1), d = x.size(2), hd = d / n_head;
+  const auto b = x.size(0), t = x.size(1), hd = head_dim;
   auto qkv = c_attn(x).view({b, t, 3, n_head, hd}).permute({2, 0, 3, 1, 4});  // [3, b, h, t, hd]
   auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
   auto causal = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
   scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
   auto probs = attn_dropout(torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type()));
-  auto y = torch::matmul(probs, qkv[2]).transpose(1, 2).reshape({b, t, d});
+  auto y = torch::matmul(probs, qkv[2]).transpose(1, 2).reshape({b, t, n_head * hd});
   return resid_dropout(c_proj(y));
 }
 
-GptMlpImpl::GptMlpImpl(const GptConfig& c) : c_fc(c.d_model, 4 * c.d_model), c_proj(4 * c.d_model, c.d_model), dropout(c.dropout) {
+GptMlpImpl::GptMlpImpl(const GptConfig& c)
+    : c_fc(column(c.d_model, 4 * c.d_model)), c_proj(row(4 * c.d_model, c.d_model)), dropout(c.dropout) {
   register_module("c_fc", c_fc);
   register_module("c_proj", c_proj);
   register_module("dropout", dropout);
@@ -109,7 +120,10 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
 }
 
 GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options)
-    : wte(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02).to(c.dtype), {.zero_level = options.zero_level}),
+    : wte(tp::slice(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02), {.dim = 0}, tp::group_rank(),
+                    tp::group_size())
+              .to(c.dtype),
+          {.zero_level = options.zero_level, .tp_split = tp::Split{.dim = 0}}),
       wpe(torch::empty({c.context, c.d_model}).normal_(0.0, 0.01).to(c.dtype), {.zero_level = options.zero_level}),
       h(c.n_layer,
         [&](int64_t) {
@@ -136,28 +150,38 @@ GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& o
 // ---- the model ---------------------------------------------------------------------------------
 
 GptImpl::GptImpl(GptConfig config, BlockOptions options)
-    : transformer((config.validate(), config), options), config_(std::move(config)) {
+    : transformer((config.validate(tp::group_size()), config), options),
+      config_(std::move(config)),
+      tp_(tp::group_size() > 1 ? &runtime().tp() : nullptr) {
   register_module("transformer", transformer);
 }
 
-torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
+torch::Tensor GptImpl::local_logits(const torch::Tensor& tokens) {
   ZTRAIN_CHECK(tokens.dim() == 2, "GPT: tokens must be [batch, seq], got ", tokens.sizes());
   const auto t = tokens.size(1);
   ZTRAIN_CHECK(t <= config_.context, "GPT: sequence length ", t, " exceeds the context ", config_.context);
   auto& tr = *transformer;
   auto wte = tr.wte();
   auto positions = torch::arange(t, torch::kLong);
-  auto x = tr.drop(torch::embedding(wte, tokens) + torch::embedding(tr.wpe(), positions));
+  auto tok = tp_ ? tp::vocab_parallel_embedding(tokens, wte, tp_) : torch::embedding(wte, tokens);
+  auto x = tr.drop(tok + torch::embedding(tr.wpe(), positions));
   x = tr.ln_f(tr.h(x));
-  return torch::matmul(x, wte.t());
+  return torch::matmul(tp_ ? functional::copy_to_group(x, *tp_) : x, wte.t());
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
+  auto logits = local_logits(tokens);
+  return tp_ ? functional::gather_from_group(logits, *tp_, -1) : logits;
 }
 
 torch::Tensor GptImpl::loss(const torch::Tensor& tokens) {
   ZTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) >= 2, "GPT loss: tokens must be [batch, seq + 1] with seq >= 1, got ",
                tokens.sizes());
-  auto logits = forward(tokens.slice(1, 0, -1));
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
-                                              tokens.slice(1, 1).reshape(-1));
+  auto logits = local_logits(tokens.slice(1, 0, -1));
+  auto flat = logits.reshape({-1, logits.size(-1)});
+  auto targets = tokens.slice(1, 1).reshape(-1);
+  if (tp_) return tp::parallel_cross_entropy(flat, targets, {}, tp_);
+  return torch::nn::functional::cross_entropy(flat.to(torch::kFloat32), targets);
 }
 
 ParameterInit gpt_init(const GptConfig& config) {

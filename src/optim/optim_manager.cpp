@@ -58,16 +58,18 @@ void OptimManager::unscale() {
 
 double OptimManager::grad_norm() {
   unscale();
-  // Each element once: a dp-sharded gradient is distinct on every dp rank; a replicated one is
-  // the same on all of them, so each copy contributes 1/dp of its square sum.
+  // Each element once: a dp-sharded gradient is distinct on every dp rank, a tensor-parallel
+  // one on every tp rank; a replicated one is the same on all ranks of its group, so each copy
+  // contributes 1/size of its square sum.
   const int dp = is_initialized() ? runtime().dp().size() : 1;
+  const int tp = tp::group_size();
   double local = 0;
   for (auto* o : optimizers_) {
     for (const auto& group : o->param_groups()) {
       for (const auto& p : group.params()) {
         if (!p.grad().defined()) continue;
         const double sq = p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
-        local += is_dp_sharded(p) ? sq : sq / dp;
+        local += (is_dp_sharded(p) ? sq : sq / dp) / (tp::is_tp_distinct(p) ? 1 : tp);
       }
     }
   }

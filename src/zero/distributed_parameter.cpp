@@ -6,11 +6,12 @@ namespace ztrain {
 
 namespace {
 struct HolderImpl : torch::nn::Module {
-  HolderImpl(const std::string& name, torch::Tensor value, bool requires_grad) {
+  HolderImpl(const std::string& name, torch::Tensor value, bool requires_grad, std::optional<tp::Split> split) {
     ZTRAIN_CHECK(value.defined(), "DistributedParameter: the value is undefined");
     ZTRAIN_CHECK(!name.empty() && name.find('.') == std::string::npos,
                  "DistributedParameter: the name must be non-empty and contain no '.', got '", name, "'");
     param = register_parameter(name, value.detach().clone(), requires_grad);
+    if (split) tp::set_split(param, *split);
   }
   torch::Tensor param;
 };
@@ -23,7 +24,7 @@ std::vector<int64_t> shard_versions(const std::vector<ShardGroup>& groups) {
 }  // namespace
 
 DistributedParameterImpl::DistributedParameterImpl(torch::Tensor value, DistributedParameterOptions options)
-    : ShardedModule(std::make_shared<HolderImpl>(options.name, std::move(value), options.requires_grad),
+    : ShardedModule(std::make_shared<HolderImpl>(options.name, std::move(value), options.requires_grad, options.tp_split),
                     {.zero_level = options.zero_level, .use_checkpoint = false, .prefetch_depth = 0},
                     "DistributedParameter"),
       name_(options.name) {}

@@ -48,10 +48,12 @@ void init_parameters(torch::nn::Module& module, const InitParametersOptions& opt
   torch::NoGradGuard no_grad;
   for (const auto& ref : named_parameter_refs(module)) {
     at::Generator gen = at::detail::createCPUGenerator(rng::derive(rng::shared_seed(seed), {name_hash(ref.name)}));
-    auto value = torch::empty(ref.shape, torch::kFloat32);
+    const auto shape = ref.full_shape();
+    auto value = torch::empty(shape, torch::kFloat32);
     options.init(ref.name, value, gen);
-    ZTRAIN_CHECK(value.sizes() == at::IntArrayRef(ref.shape), "init_parameters: the init function changed the shape of '",
+    ZTRAIN_CHECK(value.sizes() == at::IntArrayRef(shape), "init_parameters: the init function changed the shape of '",
                  ref.name, "' to ", value.sizes());
+    if (const auto split = ref.tp_split()) value = tp::slice(value, *split, tp::group_rank(), tp::group_size());
     value = value.to(ref.dtype);
     if (ref.owner) {
       write_owned(ref, value, rank);

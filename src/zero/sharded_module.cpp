@@ -233,7 +233,9 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
   struct Key {
     c10::ScalarType dtype;
     bool requires_grad;
+    bool tp_distinct;  // tensor-parallel slices, kept apart from replicated parameters
   };
+  const bool tensor_parallel = tp::group_size() > 1;
   std::vector<Key> keys;
   std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> members;
   std::vector<std::vector<torch::Tensor>> member_tensors;
@@ -250,10 +252,14 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
                  "' already belongs to another Block or DistributedParameter; a module can be wrapped "
                  "only once (build a new module for each block)");
     signature << detail::describe(item.key(), p.scalar_type(), p.sizes(), p.requires_grad()) << "\n";
+    const Key key{p.scalar_type(), p.requires_grad(), tensor_parallel && tp::split_of(p).has_value()};
     size_t g = 0;
-    while (g < keys.size() && !(keys[g].dtype == p.scalar_type() && keys[g].requires_grad == p.requires_grad())) ++g;
+    while (g < keys.size() && !(keys[g].dtype == key.dtype && keys[g].requires_grad == key.requires_grad &&
+                                keys[g].tp_distinct == key.tp_distinct)) {
+      ++g;
+    }
     if (g == keys.size()) {
-      keys.push_back({p.scalar_type(), p.requires_grad()});
+      keys.push_back(key);
       members.emplace_back();
       member_tensors.emplace_back();
     }
@@ -273,7 +279,8 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
   torch::NoGradGuard no_grad;
   for (size_t g = 0; g < keys.size(); ++g) {
     ShardGroup group{.layout = FlatParamLayout(members[g], keys[g].dtype, dp.size()),
-                     .requires_grad = keys[g].requires_grad};
+                     .requires_grad = keys[g].requires_grad,
+                     .tp_distinct = keys[g].tp_distinct};
     const auto& layout = group.layout;
     group.full = torch::zeros({layout.total_numel()}, torch::TensorOptions().dtype(keys[g].dtype));
     for (size_t e = 0; e < layout.entries().size(); ++e) {
@@ -284,6 +291,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     for (size_t e = 0; e < layout.entries().size(); ++e) {
       const auto& entry = layout.entries()[e];
       auto& p = member_tensors[g][e];
+      group.splits.push_back(tp::split_of(p));
       p.set_data(detail::alias(group.full, entry.offset, entry.shape));
       group.params.push_back(p);
     }
@@ -299,6 +307,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     context_->add_storage(group.full.storage().unsafeGetStorageImpl());
     if (options_.zero_level >= 1) context_->add_dp_shard(group.shard.unsafeGetTensorImpl());
     register_parameter(c10::str("zero_shard_", g), group.shard, group.requires_grad);
+    if (group.tp_distinct) tp::mark_tp_distinct(group.shard);
     gathered_versions_.push_back(group.shard._version());
     groups_.push_back(std::move(group));
   }
@@ -566,17 +575,26 @@ void collect(torch::nn::Module& module, const std::string& prefix, std::vector<N
       const auto& group = sharded->groups()[g];
       const auto& entry = group.layout.entries()[e];
       out.push_back({.name = prefix + entry.name, .shape = entry.shape, .dtype = group.layout.dtype(),
-                     .owner = sharded, .group = g, .entry = e});
+                     .owner = sharded, .group = g, .entry = e, .split = group.splits[e]});
     }
     return;
   }
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
     out.push_back({.name = prefix + item.key(), .shape = item.value().sizes().vec(),
-                   .dtype = item.value().scalar_type(), .tensor = item.value()});
+                   .dtype = item.value().scalar_type(), .tensor = item.value(), .split = tp::split_of(item.value())});
   }
   for (const auto& child : module.named_children()) collect(*child.value(), prefix + child.key() + ".", out);
 }
 }  // namespace
+
+std::optional<tp::Split> NamedParameterRef::tp_split() const {
+  return tp::group_size() > 1 ? split : std::nullopt;
+}
+
+std::vector<int64_t> NamedParameterRef::full_shape() const {
+  const auto s = tp_split();
+  return s ? tp::full_shape(shape, *s, tp::group_size()) : shape;
+}
 
 std::vector<NamedParameterRef> named_parameter_refs(torch::nn::Module& module) {
   std::vector<NamedParameterRef> out;
@@ -585,20 +603,28 @@ std::vector<NamedParameterRef> named_parameter_refs(torch::nn::Module& module) {
 }
 
 namespace {
-torch::Tensor gathered_value(const NamedParameterRef& ref) {
+/// This rank's value of `ref` (its module gathered), a copy.
+torch::Tensor local_value(const NamedParameterRef& ref) {
+  if (!ref.owner) return ref.tensor.detach().clone();
   const auto& group = ref.owner->groups()[ref.group];
   const auto& entry = group.layout.entries()[ref.entry];
   return group.full.narrow(0, entry.offset, entry.numel).view(entry.shape).clone();
 }
+
+/// The full tensor of `ref` from the tp group's slices (collective over tp for split ones).
+torch::Tensor unsplit(const NamedParameterRef& ref, torch::Tensor local) {
+  const auto split = ref.tp_split();
+  return split ? tp::assemble(local, *split, runtime().tp()) : local;
+}
 }  // namespace
 
 torch::Tensor full_parameter(const NamedParameterRef& ref) {
-  if (!ref.owner) return ref.tensor.detach().clone();
+  if (!ref.owner) return unsplit(ref, local_value(ref));
   const bool was_gathered = ref.owner->is_gathered();
   ref.owner->gather();
-  auto value = gathered_value(ref);
+  auto value = local_value(ref);
   if (!was_gathered) ref.owner->release();
-  return value;
+  return unsplit(ref, std::move(value));
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn::Module& module) {
@@ -612,7 +638,7 @@ std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn
       release_current = !current->is_gathered();
       current->gather();
     }
-    out.emplace_back(ref.name, ref.owner ? gathered_value(ref) : ref.tensor.detach().clone());
+    out.emplace_back(ref.name, unsplit(ref, local_value(ref)));
   }
   if (release_current) current->release();
   return out;

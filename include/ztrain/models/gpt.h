@@ -27,10 +27,19 @@
 /// Block in one BlockList, the final LayerNorm a Block of its own; all at the configured ZeRO
 /// level. Construction and every forward are collective over the data-parallel group.
 ///
+/// When the runtime has a tensor-parallel group of several ranks (init_distributed's tp_size),
+/// the model is split over it Megatron-style (tp/layers.h): attention heads and MLP features
+/// in every block, and the vocabulary of the tied embedding and LM head, whose loss is computed
+/// from split logits. ZeRO then shards each rank's slices over dp. Names, shapes in files and
+/// init_parameters are those of the full model, so checkpoints move between tp sizes. With
+/// dropout, the attention-probability masks of heads on different tp ranks come from the same
+/// generator state (the residual masks must, to keep activations replicated).
+///
 ///   ztrain::models::Gpt model(ztrain::models::GptConfig::preset("tiny"), {.zero_level = 3});
 ///   ztrain::init_parameters(*model, {.init = ztrain::models::gpt_init(model->config())});
 ///   auto loss = model->loss(tokens);                       // tokens [batch, seq + 1]
 
+#include <ztrain/tp/layers.h>
 #include <ztrain/zero/block.h>
 #include <ztrain/zero/block_list.h>
 #include <ztrain/zero/distributed_parameter.h>
@@ -55,35 +64,34 @@ struct GptConfig {
   /// "tiny", "small", "medium", "gpt2" (124M: vocab 50257, context 1024, 12 × 768, 12 heads).
   static GptConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
-  /// Throws ztrain::Error naming the first invalid field.
-  void validate() const;
+  /// Throws ztrain::Error naming the first invalid field, or a size that does not divide over
+  /// `tp_size` tensor-parallel ranks (d_model, n_head and vocab_size must).
+  void validate(int tp_size = 1) const;
   /// Parameters (the tied head counted once).
   int64_t num_parameters() const;
   /// Forward + backward FLOPs per token (6 per parameter-use plus attention).
   double flops_per_token(int64_t seq) const;
 };
 
-/// Hugging Face's Conv1D: weight (in, out), y = x W + b.
-struct Conv1DImpl : torch::nn::Module {
-  Conv1DImpl(int64_t in, int64_t out);
-  torch::Tensor forward(const torch::Tensor& x);
-  torch::Tensor weight, bias;
-};
-TORCH_MODULE(Conv1D);
-
+/// Attention heads split over the tp group: c_attn column-parallel with q, k and v fused,
+/// c_proj row-parallel.
 struct GptAttentionImpl : torch::nn::Module {
   explicit GptAttentionImpl(const GptConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
-  int64_t n_head;
-  Conv1D c_attn, c_proj;
+  int64_t n_head;  // on this rank
+  int64_t head_dim;
+  tp::ColumnParallelLinear c_attn;
+  tp::RowParallelLinear c_proj;
   torch::nn::Dropout attn_dropout, resid_dropout;
 };
 TORCH_MODULE(GptAttention);
 
+/// Hidden features split over the tp group: c_fc column-parallel, c_proj row-parallel.
 struct GptMlpImpl : torch::nn::Module {
   explicit GptMlpImpl(const GptConfig& c);
   torch::Tensor forward(const torch::Tensor& x);
-  Conv1D c_fc, c_proj;
+  tp::ColumnParallelLinear c_fc;
+  tp::RowParallelLinear c_proj;
   torch::nn::Dropout dropout;
 };
 TORCH_MODULE(GptMlp);
@@ -111,17 +119,23 @@ class GptImpl : public torch::nn::Module {
  public:
   GptImpl(GptConfig config, BlockOptions options = {});
 
-  /// Logits [batch, seq, vocab] for tokens [batch, seq] (seq ≤ context).
+  /// Logits [batch, seq, vocab] for tokens [batch, seq] (seq ≤ context); with tensor
+  /// parallelism they are gathered from the tp group.
   torch::Tensor forward(const torch::Tensor& tokens);
   /// Mean next-token cross-entropy over tokens [batch, seq + 1]: inputs tokens[:, :-1],
-  /// targets tokens[:, 1:].
+  /// targets tokens[:, 1:]. With tensor parallelism the logits stay split over the vocabulary
+  /// (tp::parallel_cross_entropy).
   torch::Tensor loss(const torch::Tensor& tokens);
   const GptConfig& config() const { return config_; }
 
   GptTransformer transformer;
 
  private:
+  /// This tp rank's logits [batch, seq, vocab / tp].
+  torch::Tensor local_logits(const torch::Tensor& tokens);
+
   GptConfig config_;
+  Communicator* tp_;  // the runtime's tp group, or null
 };
 
 /// The module holder of GptImpl.

@@ -31,6 +31,9 @@ struct DistributedParameterOptions {
   /// The parameter's name inside this module.
   std::string name = "weight";
   bool requires_grad = true;
+  /// The value is this rank's slice of a tensor-parallel parameter split this way
+  /// (tp/split.h); checkpoints and init_parameters then see the full tensor.
+  std::optional<tp::Split> tp_split;
 };
 
 class DistributedParameterImpl : public ShardedModule {

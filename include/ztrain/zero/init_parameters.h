@@ -4,8 +4,10 @@
 /// Every parameter — wrapped by a Block or DistributedParameter, or plain — is drawn in full
 /// from its own generator, seeded from the seed and the parameter's name, and each rank keeps
 /// the elements it holds. The same seed therefore gives bit-identical weights on 1 and on 64
-/// ranks, and a sharded model never holds more than one full parameter at a time. Values are
-/// drawn in fp32 and rounded to the parameter's dtype.
+/// ranks, and a sharded model never holds more than one full parameter at a time. A
+/// tensor-parallel parameter (tp/split.h) is drawn in its full unsplit shape and each tp rank
+/// keeps its slice, so weights do not depend on the tp size either. Values are drawn in fp32
+/// and rounded to the parameter's dtype.
 ///
 /// The default rule is GPT-2's: weights with two or more dimensions ~ N(0, 0.02²), parameters
 /// whose name ends in "bias" zero, other one-dimensional parameters (norm scales) one. Pass

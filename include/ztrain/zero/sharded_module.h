@@ -32,12 +32,14 @@
 /// order (the usual SPMD contract). Not thread-safe.
 
 #include <ztrain/comm/work.h>
+#include <ztrain/tp/split.h>
 #include <ztrain/zero/flat_param.h>
 
 #include <torch/torch.h>
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -70,6 +72,11 @@ struct ShardGroup {
   torch::Tensor full;
   /// The wrapped module's parameter tensors, in layout order.
   std::vector<torch::Tensor> params;
+  /// Their tensor-parallel splits (tp/split.h), in layout order.
+  std::vector<std::optional<tp::Split>> splits;
+  /// Whether the group holds tensor-parallel slices (different on every tp rank). With a tp
+  /// group of more than one rank, split and replicated parameters never share a group.
+  bool tp_distinct = false;
 };
 
 class ShardedModule : public torch::nn::Module {
@@ -154,12 +161,19 @@ struct NamedParameterRef {
   size_t group = 0;
   size_t entry = 0;
   torch::Tensor tensor;  // plain parameters only
+  /// How a tensor-parallel parameter is split (shape is this rank's slice).
+  std::optional<tp::Split> split;
+
+  /// `split` when the runtime's tp group has more than one rank, else nothing.
+  std::optional<tp::Split> tp_split() const;
+  /// The unsplit shape (shape unless tp_split()).
+  std::vector<int64_t> full_shape() const;
 };
 std::vector<NamedParameterRef> named_parameter_refs(torch::nn::Module& module);
 
 /// The full value of one parameter: gathers its module if needed (collective over dp for
-/// sharded parameters at levels 1–3; every rank must ask for the same parameters in the same
-/// order) and returns a copy.
+/// sharded parameters at levels 1–3, and over tp for tensor-parallel ones; every rank must ask
+/// for the same parameters in the same order) and returns a copy.
 torch::Tensor full_parameter(const NamedParameterRef& ref);
 
 /// Every parameter's full value under its plain name (collective; materialises the whole

@@ -1,0 +1,207 @@
+#include <ztrain/tp/layers.h>
+
+#include <ztrain/comm/functional.h>
+#include <ztrain/error.h>
+#include <ztrain/runtime/init.h>
+
+#include <cmath>
+
+namespace ztrain::tp {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+Communicator* resolve(Communicator* group) {
+  if (group) return group;
+  return is_initialized() ? &runtime().tp() : nullptr;
+}
+int size_of(const Communicator* g) { return g ? g->size() : 1; }
+int rank_of(const Communicator* g) { return g ? g->rank() : 0; }
+
+/// Registers this rank's slice of `full` as parameter `name`, declared split.
+torch::Tensor register_slice(torch::nn::Module& m, const std::string& name, const torch::Tensor& full, Split split,
+                             const Communicator* g) {
+  auto p = m.register_parameter(name, slice(full, split, rank_of(g), size_of(g)));
+  set_split(p, split);
+  return p;
+}
+
+torch::Tensor uniform(std::vector<int64_t> shape, int64_t fan_in) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+  return torch::empty(shape).uniform_(-bound, bound);
+}
+
+std::vector<int64_t> weight_shape(WeightLayout layout, int64_t in, int64_t out) {
+  return layout == WeightLayout::kOutIn ? std::vector<int64_t>{out, in} : std::vector<int64_t>{in, out};
+}
+
+/// x W (+ b) for either weight layout; b may be undefined.
+torch::Tensor affine(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, WeightLayout layout) {
+  if (layout == WeightLayout::kOutIn) return torch::nn::functional::linear(x, w, b);
+  auto sizes = x.sizes().vec();
+  sizes.back() = w.size(1);
+  const auto x2 = x.reshape({-1, x.size(-1)});
+  return (b.defined() ? torch::addmm(b, x2, w) : torch::mm(x2, w)).view(sizes);
+}
+
+void check_features(const char* layer, int64_t in, int64_t out) {
+  ZTRAIN_CHECK(in > 0 && out > 0, layer, ": in_features and out_features must be > 0, got ", in, " and ", out);
+}
+
+}  // namespace
+
+// ---- ColumnParallelLinear ----------------------------------------------------------------------
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options, Communicator* group)
+    : options_(options), group_(resolve(group)) {
+  const auto& o = options_;
+  check_features("ColumnParallelLinear", o.in_features, o.out_features);
+  const int tp = size_of(group_);
+  ZTRAIN_CHECK(o.fused_parts >= 1 && o.out_features % (o.fused_parts * tp) == 0, "ColumnParallelLinear: out_features (",
+               o.out_features, ") is not divisible by fused_parts (", o.fused_parts, ") x the tensor-parallel size (", tp,
+               ")");
+  const Split split{.dim = o.layout == WeightLayout::kOutIn ? 0 : 1, .parts = o.fused_parts};
+  torch::NoGradGuard no_grad;
+  weight = register_slice(*this, "weight", uniform(weight_shape(o.layout, o.in_features, o.out_features), o.in_features),
+                          split, group_);
+  if (o.bias) bias = register_slice(*this, "bias", uniform({o.out_features}, o.in_features), {.dim = 0, .parts = o.fused_parts}, group_);
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
+  const int tp = size_of(group_);
+  if (tp == 1) return affine(x, weight, bias, options_.layout);
+  auto y = affine(functional::copy_to_group(x, *group_), weight, bias, options_.layout);
+  if (!options_.gather_output) return y;
+  y = functional::gather_from_group(y, *group_, -1);  // features ordered (rank, part, chunk)
+  if (options_.fused_parts == 1) return y;
+  auto shape = y.sizes().vec();
+  shape.back() = tp;
+  shape.push_back(options_.fused_parts);
+  shape.push_back(options_.out_features / (options_.fused_parts * tp));
+  return y.view(shape).transpose(-3, -2).reshape(y.sizes());  // → (part, rank, chunk)
+}
+
+// ---- RowParallelLinear -------------------------------------------------------------------------
+
+RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options, Communicator* group)
+    : options_(options), group_(resolve(group)) {
+  const auto& o = options_;
+  check_features("RowParallelLinear", o.in_features, o.out_features);
+  const int tp = size_of(group_);
+  ZTRAIN_CHECK(o.in_features % tp == 0, "RowParallelLinear: in_features (", o.in_features,
+               ") is not divisible by the tensor-parallel size (", tp, ")");
+  torch::NoGradGuard no_grad;
+  weight = register_slice(*this, "weight", uniform(weight_shape(o.layout, o.in_features, o.out_features), o.in_features),
+                          {.dim = o.layout == WeightLayout::kOutIn ? 1 : 0}, group_);
+  // The bias is added after the reduction, so it is replicated (the default generator draws
+  // the same values on every rank of the tp group).
+  if (o.bias) bias = register_parameter("bias", uniform({o.out_features}, o.in_features));
+}
+
+torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
+  if (size_of(group_) == 1) return affine(x, weight, bias, options_.layout);
+  auto in = options_.input_is_parallel ? x : functional::scatter_to_group(x, *group_, -1);
+  auto y = functional::reduce_from_group(affine(in, weight, torch::Tensor(), options_.layout), *group_);
+  return bias.defined() ? y + bias : y;
+}
+
+// ---- VocabParallelEmbedding --------------------------------------------------------------------
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options, Communicator* group)
+    : options_(options), group_(resolve(group)) {
+  const int tp = size_of(group_);
+  ZTRAIN_CHECK(options_.num_embeddings > 0 && options_.embedding_dim > 0,
+               "VocabParallelEmbedding: num_embeddings and embedding_dim must be > 0, got ", options_.num_embeddings,
+               " and ", options_.embedding_dim);
+  ZTRAIN_CHECK(options_.num_embeddings % tp == 0, "VocabParallelEmbedding: num_embeddings (", options_.num_embeddings,
+               ") is not divisible by the tensor-parallel size (", tp, ")");
+  torch::NoGradGuard no_grad;
+  weight = register_slice(*this, "weight", torch::randn({options_.num_embeddings, options_.embedding_dim}), {.dim = 0},
+                          group_);
+}
+
+torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& tokens) {
+  return vocab_parallel_embedding(tokens, weight, group_);
+}
+
+torch::Tensor vocab_parallel_embedding(const torch::Tensor& tokens, const torch::Tensor& weight, Communicator* group) {
+  group = resolve(group);
+  const int tp = size_of(group);
+  ZTRAIN_CHECK(weight.dim() == 2, "vocab_parallel_embedding: the weight must be [vocab / tp, dim], got ", weight.sizes());
+  ZTRAIN_CHECK(!at::isFloatingType(tokens.scalar_type()), "vocab_parallel_embedding: tokens must be integers, got ",
+               tokens.scalar_type());
+  if (tp == 1) return torch::embedding(weight, tokens);
+  const int64_t rows = weight.size(0), begin = rank_of(group) * rows;
+  ZTRAIN_CHECK(tokens.numel() == 0 || (tokens.min().item<int64_t>() >= 0 && tokens.max().item<int64_t>() < rows * tp),
+               "vocab_parallel_embedding: token ids must be in [0, ", rows * tp, ")");
+  const auto outside = (tokens < begin).logical_or(tokens >= begin + rows);
+  auto rows_out = torch::embedding(weight, (tokens - begin).masked_fill(outside, 0));
+  return functional::reduce_from_group(rows_out.masked_fill(outside.unsqueeze(-1), 0), *group);
+}
+
+// ---- parallel cross-entropy --------------------------------------------------------------------
+
+namespace {
+
+struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& target,
+                               Communicator* group, int64_t ignore_index) {
+    torch::NoGradGuard no_grad;
+    const auto x = logits.to(torch::kFloat32);
+    const int64_t cols = x.size(1), begin = rank_of(group) * cols;
+    auto max = std::get<0>(x.max(1)).contiguous();
+    if (group) group->all_reduce(max, ReduceOp::kMax);
+    auto probs = (x - max.unsqueeze(1)).exp_();
+    auto sum = probs.sum(1);
+    const auto valid = target != ignore_index;
+    const auto mine = valid.logical_and(target >= begin).logical_and(target < begin + cols);
+    const auto local = (target - begin).masked_fill(mine.logical_not(), 0);
+    // The target's shifted logit, from the rank that holds it (log of its exp(z) is z).
+    auto picked = (x.gather(1, local.unsqueeze(1)).squeeze(1) - max).masked_fill(mine.logical_not(), 0);
+    if (group) {
+      group->all_reduce(sum, ReduceOp::kSum);
+      group->all_reduce(picked, ReduceOp::kSum);
+    }
+    probs.div_(sum.unsqueeze(1));
+    ctx->saved_data["probs"] = probs;
+    ctx->saved_data["local"] = local;
+    ctx->saved_data["mine"] = mine;
+    ctx->saved_data["valid"] = valid;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return (sum.log() - picked).masked_fill(valid.logical_not(), 0);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto probs = ctx->saved_data["probs"].toTensor();
+    const auto local = ctx->saved_data["local"].toTensor();
+    const auto g = grads[0].to(torch::kFloat32);
+    const auto gv = g * ctx->saved_data["valid"].toTensor();
+    auto grad = probs * gv.unsqueeze(1);
+    grad.scatter_add_(1, local.unsqueeze(1), -(g * ctx->saved_data["mine"].toTensor()).unsqueeze(1));
+    const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grad.to(dtype), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
+                                     ParallelCrossEntropyOptions options, Communicator* group) {
+  group = resolve(group);
+  ZTRAIN_CHECK(logits.dim() == 2 && target.dim() == 1 && logits.size(0) == target.size(0),
+               "parallel_cross_entropy: logits must be [N, vocab / tp] and target [N], got ", logits.sizes(), " and ",
+               target.sizes());
+  ZTRAIN_CHECK(target.scalar_type() == torch::kLong, "parallel_cross_entropy: target must be int64, got ",
+               target.scalar_type());
+  const int64_t vocab = logits.size(1) * size_of(group);
+  const auto valid = target != options.ignore_index;
+  ZTRAIN_CHECK(!valid.logical_and(target.lt(0).logical_or(target.ge(vocab))).any().item<bool>(),
+               "parallel_cross_entropy: targets must be in [0, ", vocab, ") or ignore_index (", options.ignore_index, ")");
+  auto losses = ParallelCrossEntropy::apply(logits, target, group, options.ignore_index);
+  if (!options.mean) return losses;
+  return losses.sum() / valid.sum().to(torch::kFloat32);
+}
+
+}  // namespace ztrain::tp
