@@ -66,12 +66,11 @@ double GptConfig::flops_per_token(int64_t seq) const {
 namespace {
 /// GPT-2's Conv1D layout ([in, out]) for the parallel linears.
 tp::ColumnParallelLinear column(int64_t in, int64_t out, int64_t parts = 1) {
-  return tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions{
-      .in_features = in, .out_features = out, .fused_parts = parts, .layout = tp::WeightLayout::kInOut});
+  return tp::ColumnParallelLinear(
+      {.in_features = in, .out_features = out, .fused_parts = parts, .layout = tp::WeightLayout::kInOut});
 }
 tp::RowParallelLinear row(int64_t in, int64_t out) {
-  return tp::RowParallelLinear(
-      tp::RowParallelLinearOptions{.in_features = in, .out_features = out, .layout = tp::WeightLayout::kInOut});
+  return tp::RowParallelLinear({.in_features = in, .out_features = out, .layout = tp::WeightLayout::kInOut});
 }
 }  // namespace
 

@@ -70,7 +70,13 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   ColumnParallelLinearOptions options_;
   Communicator* group_;
 };
-TORCH_MODULE(ColumnParallelLinear);
+/// The module holder; constructible from designated-initialiser options.
+class ColumnParallelLinear : public torch::nn::ModuleHolder<ColumnParallelLinearImpl> {
+ public:
+  using torch::nn::ModuleHolder<ColumnParallelLinearImpl>::ModuleHolder;
+  ColumnParallelLinear(ColumnParallelLinearOptions options, Communicator* group = nullptr)
+      : ModuleHolder(std::make_shared<ColumnParallelLinearImpl>(options, group)) {}
+};
 
 struct RowParallelLinearOptions {
   /// The full (unsplit) number of input features.
@@ -97,7 +103,13 @@ class RowParallelLinearImpl : public torch::nn::Module {
   RowParallelLinearOptions options_;
   Communicator* group_;
 };
-TORCH_MODULE(RowParallelLinear);
+/// The module holder; constructible from designated-initialiser options.
+class RowParallelLinear : public torch::nn::ModuleHolder<RowParallelLinearImpl> {
+ public:
+  using torch::nn::ModuleHolder<RowParallelLinearImpl>::ModuleHolder;
+  RowParallelLinear(RowParallelLinearOptions options, Communicator* group = nullptr)
+      : ModuleHolder(std::make_shared<RowParallelLinearImpl>(options, group)) {}
+};
 
 struct VocabParallelEmbeddingOptions {
   /// The full vocabulary; it must divide by the tp size.
@@ -121,7 +133,13 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
   VocabParallelEmbeddingOptions options_;
   Communicator* group_;
 };
-TORCH_MODULE(VocabParallelEmbedding);
+/// The module holder; constructible from designated-initialiser options.
+class VocabParallelEmbedding : public torch::nn::ModuleHolder<VocabParallelEmbeddingImpl> {
+ public:
+  using torch::nn::ModuleHolder<VocabParallelEmbeddingImpl>::ModuleHolder;
+  VocabParallelEmbedding(VocabParallelEmbeddingOptions options, Communicator* group = nullptr)
+      : ModuleHolder(std::make_shared<VocabParallelEmbeddingImpl>(options, group)) {}
+};
 
 /// The lookup of VocabParallelEmbedding for a weight held elsewhere (a tied embedding):
 /// `weight` is this rank's rows [V / tp, d], tokens index the full vocabulary.
