@@ -60,6 +60,7 @@ struct TrainArgs {
   int keep_last = 3;
   bool resume = false;
   uint64_t seed = 1234;
+  int tp = 1;
 };
 
 void add_model_options(CLI::App* app, ModelArgs& m) {
@@ -88,7 +89,7 @@ std::string dtype_name(c10::ScalarType t) {
   return t == torch::kBFloat16 ? "bf16" : t == torch::kFloat16 ? "fp16" : "fp32";
 }
 
-GptConfig make_config(const ModelArgs& m) {
+GptConfig make_config(const ModelArgs& m, int tp_size = 1) {
   auto c = GptConfig::preset(m.preset);
   c.vocab_size = 256;  // byte-level tokens
   if (m.d_model) c.d_model = *m.d_model;
@@ -97,7 +98,7 @@ GptConfig make_config(const ModelArgs& m) {
   if (m.context) c.context = *m.context;
   c.dropout = m.dropout;
   c.dtype = parse_dtype(m.dtype);
-  c.validate();
+  c.validate(tp_size);
   return c;
 }
 
@@ -200,9 +201,10 @@ double evaluate(Gpt& model, const ByteCorpus& corpus, int64_t seq, int64_t batch
 }
 
 int train(TrainArgs a) {
-  auto& rt = zt::init_distributed({.seed = a.seed});
+  ZTRAIN_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
+  auto& rt = zt::init_distributed({.seed = a.seed, .tp_size = a.tp});
   const int dp = rt.dp().size();
-  const auto config = make_config(a.model);
+  const auto config = make_config(a.model, a.tp);
   a.seq = a.seq.value_or(config.context);
   ZTRAIN_CHECK(*a.seq <= config.context, "--seq ", *a.seq, " exceeds the model's context ", config.context);
   ZTRAIN_CHECK(a.steps > 0 && a.batch > 0 && a.grad_accum > 0, "--steps, --batch and --grad-accum must be > 0");
@@ -235,7 +237,7 @@ int train(TrainArgs a) {
   const int64_t tokens_per_step = a.batch * *a.seq * a.grad_accum * dp;
   zt::print_rank("ztrain-gpt: ", config.num_parameters() / 1e6, " M parameters (", config.n_layer, " x ", config.d_model,
                  ", ", config.n_head, " heads, context ", config.context, ", ", dtype_name(config.dtype), "), ZeRO level ",
-                 a.model.zero_level, a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) x ",
+                 a.model.zero_level, a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, ") x ",
                  rt.threads(), " thread(s); ", tokens_per_step, " tokens per step; data ", corpus.source(), " (",
                  corpus.train_size(), " train / ", corpus.validation_size(), " validation bytes)");
 
@@ -388,6 +390,9 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--keep-last", t.keep_last, "checkpoints to keep (0: all)")->capture_default_str();
   train_cmd->add_flag("--resume", t.resume, "continue from the latest complete checkpoint, if any");
   train_cmd->add_option("--seed", t.seed)->capture_default_str();
+  train_cmd->add_option("--tp", t.tp, "tensor-parallel size: each model replica is split over this many ranks "
+                                      "(the rank count must be a multiple)")
+      ->capture_default_str();
 
   std::string model_path, data, input, prompt = "\n", metrics, out = ".";
   double validation_fraction = 0.05, temperature = 0.8;

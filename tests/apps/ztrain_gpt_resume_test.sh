@@ -5,6 +5,7 @@
 #  - a rank killed during training, and one killed inside a checkpoint save: --resume continues
 #    from the last complete checkpoint and the losses equal an uninterrupted run bit for bit;
 #  - a checkpoint from 4 ranks resumes on 2;
+#  - tensor parallelism: tp=2 gives the 1-rank losses, and its checkpoint resumes at tp=1;
 #  - bad input fails clearly and leaves earlier checkpoints usable.
 set -uo pipefail
 gpt=$1 mpirun=$2 corpus=$3 work=$4
@@ -70,6 +71,15 @@ quiet "${mp[@]}" -np 2 "$gpt" train "${common[@]}" "${ck[@]}" --batch 4 --steps 
 grep -q "resumed from .*step-00000010 (step 10, saved at 4 ranks)" "$work/last.log" || fail "did not resume the 4-rank checkpoint"
 compare "$work/x2/metrics.jsonl" "$work/x4/metrics.jsonl" 11 20 1e-5 || fail "2-rank continuation differs from the 4-rank run"
 
+# Tensor parallelism: tp=2 on 2 ranks (dp 1, global batch 8) follows the 1-rank run; its
+# checkpoint resumes on 1 rank without tp and continues like the tp=2 run.
+quiet "${mp[@]}" -np 2 "$gpt" train "${common[@]}" "${ck[@]}" --tp 2 --batch 8 --steps 50 --out "$work/tp2" || fail "tp=2 run failed"
+compare "$work/tp2/metrics.jsonl" "$work/np1/metrics.jsonl" 1 50 1e-5 || fail "tp=2 differs from 1 rank"
+mkdir -p "$work/tp1/checkpoints" && cp -r "$work/tp2/checkpoints/step-00000030" "$work/tp1/checkpoints/"
+quiet "$gpt" train "${common[@]}" "${ck[@]}" --batch 8 --steps 50 --out "$work/tp1" --resume || fail "tp=1 resume failed"
+grep -q "resumed from .*step-00000030" "$work/last.log" || fail "did not resume the tp=2 checkpoint"
+compare "$work/tp1/metrics.jsonl" "$work/tp2/metrics.jsonl" 31 50 1e-5 || fail "tp=1 continuation differs from the tp=2 run"
+
 # Bad input: clear errors, checkpoints untouched.
 expect_error() {  # expect_error PATTERN command...
   local pattern=$1; shift
@@ -79,6 +89,8 @@ expect_error() {  # expect_error PATTERN command...
 : > "$work/empty.txt"
 expect_error "empty" "$gpt" train --data "$work/empty.txt" --preset tiny --steps 1 --out "$work/bad"
 expect_error "exceeds the model's context 64" "$gpt" train --data "$work/corpus.txt" --preset tiny --seq 65 --steps 1 --out "$work/bad"
+expect_error "n_head (2) is not divisible by the tensor-parallel size (4)" "${mp[@]}" -np 4 "$gpt" train --data "$work/corpus.txt" --preset tiny --tp 4 --steps 1 --out "$work/bad"
+expect_error "does not divide the world size 3" "${mp[@]}" -np 3 "$gpt" train --data "$work/corpus.txt" --preset tiny --tp 2 --steps 1 --out "$work/bad"
 expect_error "unknown GPT preset 'huge'" "$gpt" train --data "$work/corpus.txt" --preset huge --steps 1 --out "$work/bad"
 expect_error "shape" "$gpt" train "${common[@]}" "${ck[@]}" --d-model 32 --heads 2 --batch 8 --steps 40 --out "$work/ref" --resume
 before=$(ls "$work/ref/checkpoints")
