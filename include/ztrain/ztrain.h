@@ -19,6 +19,7 @@
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>
 #include <ztrain/optim/optim_manager.h>
+#include <ztrain/pipe/pipe.h>
 #include <ztrain/runtime/runtime.h>
 #include <ztrain/tp/layers.h>
 #include <ztrain/tp/split.h>
