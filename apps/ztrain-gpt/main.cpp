@@ -61,6 +61,7 @@ struct TrainArgs {
   bool resume = false;
   uint64_t seed = 1234;
   int tp = 1;
+  bool offload = false;
 };
 
 void add_model_options(CLI::App* app, ModelArgs& m) {
@@ -167,10 +168,12 @@ struct KillSwitch {
 };
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainArgs& a, std::vector<torch::Tensor> params) {
+  ZTRAIN_CHECK(!(a.offload && a.optimizer == "sgd"), "--offload needs --optimizer adamw or adam");
   if (a.optimizer == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(a.lr).momentum(0.9));
   auto options = (a.optimizer == "adam" ? zt::optim::AdamOptions::adam(a.lr) : zt::optim::AdamOptions(a.lr))
                      .betas({a.beta1, a.beta2})
                      .weight_decay(a.weight_decay);
+  if (a.offload) return std::make_unique<zt::optim::AdamOffload>(params, options);
   return std::make_unique<zt::optim::AdamW>(params, options);
 }
 
@@ -368,6 +371,8 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--optimizer", t.optimizer, "adamw, adam or sgd")
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
       ->capture_default_str();
+  train_cmd->add_flag("--offload", t.offload,
+                      "adam/adamw: run the update on a background thread, overlapping the next forward (AdamOffload)");
   train_cmd->add_option("--lr", t.lr, "peak learning rate")->capture_default_str();
   train_cmd->add_option("--min-lr", t.min_lr, "learning rate at the end of the decay")->capture_default_str();
   train_cmd->add_option("--schedule", t.schedule, "cosine, linear, wsd or constant (all with warmup)")

@@ -15,6 +15,7 @@
 #include <ztrain/comm/comm.h>
 #include <ztrain/error.h>
 #include <ztrain/optim/adam.h>
+#include <ztrain/optim/adam_offload.h>
 #include <ztrain/models/gpt.h>
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>

@@ -1,5 +1,6 @@
 #include <ztrain/ckpt/checkpoint.h>
 
+#include "background_save.h"
 #include "sha256.h"
 
 #include <ztrain/ckpt/model_file.h>
@@ -27,19 +28,21 @@ namespace {
 
 constexpr const char* kFiles[] = {"model.safetensors", "optimizer.safetensors", "rng.safetensors"};
 
-/// Runs fn on world rank 0; its failure becomes every rank's (no rank is left waiting).
-void on_rank0(const std::function<void()>& fn) {
+/// Runs fn on rank 0 of `world`; its failure becomes every rank's (no rank is left waiting).
+void on_rank0(Communicator& world, const std::function<void()>& fn) {
   std::string error;
-  if (runtime().rank() == 0) {
+  if (world.rank() == 0) {
     try {
       fn();
     } catch (const std::exception& e) {
       error = e.what();
     }
   }
-  error = runtime().world().broadcast_bytes(error, 0);
+  error = world.broadcast_bytes(error, 0);
   ZTRAIN_CHECK(error.empty(), error);
 }
+
+void on_rank0(const std::function<void()>& fn) { on_rank0(runtime().world(), fn); }
 
 void fsync_path(const fs::path& p) {
   const int fd = ::open(p.c_str(), O_RDONLY);
@@ -120,10 +123,20 @@ json read_manifest(const fs::path& dir) {
   return {};
 }
 
-}  // namespace
+/// A checkpoint whose model file is written and whose optimizer file is being written into
+/// `tmp`, with everything its publication needs, taken when the save was called.
+struct Publication {
+  fs::path root, tmp, final_dir;
+  int64_t step = 0;
+  std::vector<std::string> rng;  // every rank's generator state (rank 0 only)
+  json manifest;                 // all but "files"
+  CheckpointOptions options;
+};
 
-std::string save_checkpoint(const std::string& root, int64_t step, const TrainingState& state,
-                            const std::string& extra_json, const CheckpointOptions& options) {
+/// The part of a save on the training thread that comes before the optimizer state: the
+/// temporary directory, the model file, the generator states and the manifest's contents.
+Publication prepare(const std::string& root, int64_t step, const TrainingState& state, const std::string& extra_json,
+                    const CheckpointOptions& options) {
   ZTRAIN_CHECK(step >= 0, "save_checkpoint: step must be >= 0, got ", step);
   json extra;
   try {
@@ -132,7 +145,6 @@ std::string save_checkpoint(const std::string& root, int64_t step, const Trainin
     ZTRAIN_CHECK(false, "save_checkpoint: extra_json is not valid JSON: ", e.what());
   }
   auto& rt = runtime();
-  const fs::path final_dir = fs::path(root) / step_name(step);
   std::string tmp_dir;
   on_rank0([&] {
     fs::create_directories(root);
@@ -140,54 +152,82 @@ std::string save_checkpoint(const std::string& root, int64_t step, const Trainin
     fs::remove_all(tmp_dir);
     fs::create_directories(tmp_dir);
   });
-  tmp_dir = rt.world().broadcast_bytes(tmp_dir, 0);
-  const fs::path tmp(tmp_dir);
-
-  save(state.model, (tmp / "model.safetensors").string());
-  save_optimizer_state(state.model, state.optimizer, (tmp / "optimizer.safetensors").string());
+  Publication p{.root = root, .tmp = rt.world().broadcast_bytes(tmp_dir, 0),
+                .final_dir = fs::path(root) / step_name(step), .step = step, .options = options};
+  save(state.model, (p.tmp / "model.safetensors").string());
   // Every rank's generator state, written by rank 0.
   const auto mine = at::detail::getDefaultCPUGenerator().get_state();
-  const auto all = rt.world().all_gather_bytes(
+  p.rng = rt.world().all_gather_bytes(
       std::string_view(reinterpret_cast<const char*>(mine.data_ptr()), static_cast<size_t>(mine.nbytes())));
-  if (options.before_publish) options.before_publish();
-  on_rank0([&] {
+  const auto& topo = rt.topology();
+  p.manifest = {{"format", "ztrain-checkpoint"},
+                {"version", 1},
+                {"step", step},
+                {"world", {{"size", rt.world_size()}, {"dp", topo.dp_size()}, {"tp", topo.tp_size()}, {"pp", topo.pp_size()}}},
+                {"optim_manager", manager_json(state.manager.state())},
+                {"extra", extra}};
+  return p;
+}
+
+/// Once every file but rng.safetensors is in p.tmp on every rank: calls before_publish, then
+/// rank 0 writes the generator states and the manifest and publishes (collective over `world`).
+void publish(const Publication& p, Communicator& world) {
+  if (p.options.before_publish) p.options.before_publish();
+  on_rank0(world, [&] {
     std::vector<std::pair<std::string, torch::Tensor>> rng;
-    for (size_t r = 0; r < all.size(); ++r) {
-      auto t = torch::empty({static_cast<int64_t>(all[r].size())}, torch::kUInt8);
-      std::memcpy(t.data_ptr(), all[r].data(), all[r].size());
+    for (size_t r = 0; r < p.rng.size(); ++r) {
+      auto t = torch::empty({static_cast<int64_t>(p.rng[r].size())}, torch::kUInt8);
+      std::memcpy(t.data_ptr(), p.rng[r].data(), p.rng[r].size());
       rng.emplace_back(c10::str("rank", r), t);
     }
-    ckpt::save_safetensors((tmp / "rng.safetensors").string(), rng);
+    ckpt::save_safetensors((p.tmp / "rng.safetensors").string(), rng);
 
-    const auto& topo = rt.topology();
     json files = json::object();
-    for (const char* f : kFiles) files[f] = detail::sha256_file((tmp / f).string());
-    const json manifest = {{"format", "ztrain-checkpoint"},
-                           {"version", 1},
-                           {"step", step},
-                           {"world", {{"size", rt.world_size()}, {"dp", topo.dp_size()}, {"tp", topo.tp_size()}, {"pp", topo.pp_size()}}},
-                           {"optim_manager", manager_json(state.manager.state())},
-                           {"extra", extra},
-                           {"files", files}};
-    write_file_atomically(tmp / "manifest.json", manifest.dump(2));
-    fsync_path(tmp);
+    for (const char* f : kFiles) files[f] = detail::sha256_file((p.tmp / f).string());
+    auto manifest = p.manifest;
+    manifest["files"] = files;
+    write_file_atomically(p.tmp / "manifest.json", manifest.dump(2));
+    fsync_path(p.tmp);
     // Into place: an older checkpoint of the same step is moved aside first, removed after.
-    const fs::path aside = fs::path(root) / c10::str(".", step_name(step), ".old-", ::getpid());
-    if (fs::exists(final_dir)) fs::rename(final_dir, aside);
-    fs::rename(tmp, final_dir);
-    fsync_path(root);
-    write_file_atomically(fs::path(root) / "latest", step_name(step) + "\n");
+    const fs::path aside = p.root / c10::str(".", step_name(p.step), ".old-", ::getpid());
+    if (fs::exists(p.final_dir)) fs::rename(p.final_dir, aside);
+    fs::rename(p.tmp, p.final_dir);
+    fsync_path(p.root);
+    write_file_atomically(p.root / "latest", step_name(p.step) + "\n");
     fs::remove_all(aside);
-    if (options.keep_last > 0) {
+    if (p.options.keep_last > 0) {
       std::vector<std::pair<int64_t, fs::path>> dirs;
-      for (const auto& d : fs::directory_iterator(root)) {
+      for (const auto& d : fs::directory_iterator(p.root)) {
         if (auto s = parse_step(d.path().filename().string()); s && d.is_directory()) dirs.emplace_back(*s, d.path());
       }
       std::sort(dirs.begin(), dirs.end());
-      for (size_t i = 0; i + options.keep_last < dirs.size(); ++i) fs::remove_all(dirs[i].second);
+      for (size_t i = 0; i + p.options.keep_last < dirs.size(); ++i) fs::remove_all(dirs[i].second);
     }
   });
-  return final_dir.string();
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, int64_t step, const TrainingState& state,
+                            const std::string& extra_json, const CheckpointOptions& options) {
+  detail::wait_for_background_save();  // checkpoints are published in the order they were saved
+  const auto p = prepare(root, step, state, extra_json, options);
+  save_optimizer_state(state.model, state.optimizer, (p.tmp / "optimizer.safetensors").string());
+  publish(p, runtime().world());
+  return p.final_dir.string();
+}
+
+PendingSave save_checkpoint_async(const std::string& root, int64_t step, const TrainingState& state,
+                                  const std::string& extra_json, const CheckpointOptions& options) {
+  detail::wait_for_background_save();
+  auto p = std::make_shared<const Publication>(prepare(root, step, state, extra_json, options));
+  auto write_optimizer =
+      detail::optimizer_state_writer(state.model, state.optimizer, (p->tmp / "optimizer.safetensors").string(), {});
+  auto write = [p, write_optimizer = std::move(write_optimizer)](const detail::SaveComms& comms) {
+    write_optimizer(comms);
+    publish(*p, *comms.world);  // only once the optimizer file is complete on every rank
+  };
+  return detail::start_background_save(p->final_dir.string(), std::move(write));
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& root) {

@@ -3,13 +3,16 @@
 #include "sharded_io.h"
 
 #include <ztrain/error.h>
+#include <ztrain/runtime/pending_updates.h>
 
 #include <set>
 
 namespace ztrain {
 
 namespace {
+/// The model's entries, once no asynchronous optimizer is still writing its parameters.
 std::vector<detail::ShardedEntry> model_entries(torch::nn::Module& model) {
+  wait_for_all_updates();
   std::vector<detail::ShardedEntry> out;
   for (const auto& r : named_parameter_refs(model)) {
     out.push_back(detail::entry_of(r, r.name, r.owner ? r.owner->groups()[r.group].shard : r.tensor));
@@ -21,7 +24,7 @@ std::vector<detail::ShardedEntry> model_entries(torch::nn::Module& model) {
 void save(torch::nn::Module& model, const std::string& path, const SaveOptions& options) {
   auto metadata = options.metadata;
   metadata["format"] = "pt";
-  detail::write_sharded(path, model_entries(model), metadata, options.parallel);
+  detail::write_sharded(path, model_entries(model), metadata, options.parallel, detail::runtime_comms());
 }
 
 void load(torch::nn::Module& model, const std::string& path, const LoadOptions& options) {

@@ -1,5 +1,6 @@
 #include <ztrain/ckpt/optimizer_state.h>
 
+#include "background_save.h"
 #include "sharded_io.h"
 
 #include <ztrain/error.h>
@@ -130,12 +131,15 @@ detail::ShardedEntry entry_for(const NamedParameterRef& r, const std::string& st
   return detail::entry_of(r, r.name + "." + state, source);
 }
 
-}  // namespace
-
-void save_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const std::string& path,
-                          const SaveOptions& options) {
-  const auto all = holders(model);
+/// What a save writes: the entries of every state tensor and the file's metadata.
+struct StateFile {
   std::vector<detail::ShardedEntry> entries;
+  ckpt::Metadata metadata;
+};
+
+StateFile state_file(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const SaveOptions& options) {
+  const auto all = holders(model);
+  StateFile out;
   nlohmann::json steps = nlohmann::json::object();
   for (const auto& p : optimizer_params(optimizer)) {
     const auto& h = holder_of(all, p);
@@ -145,16 +149,46 @@ void save_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
     for (const auto& [name, t] : s.tensors) {
       ZTRAIN_CHECK(t.numel() == p.numel(), "optimizer state '", name, "' has ", t.numel(), " elements, its parameter ",
                    p.numel());
-      for (const auto& r : h.refs) entries.push_back(entry_for(r, name, t.reshape(-1)));
+      // One flat tensor for all of the group's entries: the writer gathers a shared source once.
+      const auto flat = t.reshape(-1);
+      for (const auto& r : h.refs) out.entries.push_back(entry_for(r, name, flat));
     }
     if (s.step) {
       for (const auto& r : h.refs) steps[r.name] = *s.step;
     }
   }
-  auto metadata = options.metadata;
-  metadata["format"] = "ztrain-optimizer";
-  metadata["steps"] = steps.dump();
-  detail::write_sharded(path, entries, metadata, options.parallel);
+  out.metadata = options.metadata;
+  out.metadata["format"] = "ztrain-optimizer";
+  out.metadata["steps"] = steps.dump();
+  return out;
+}
+
+}  // namespace
+
+void save_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const std::string& path,
+                          const SaveOptions& options) {
+  auto file = state_file(model, optimizer, options);
+  detail::write_sharded(path, file.entries, file.metadata, options.parallel, detail::runtime_comms());
+}
+
+namespace detail {
+
+std::function<void(const SaveComms&)> optimizer_state_writer(torch::nn::Module& model,
+                                                              torch::optim::Optimizer& optimizer,
+                                                              const std::string& path, const SaveOptions& options) {
+  auto file = state_file(model, optimizer, options);
+  auto copy = std::make_shared<EntrySnapshot>(snapshot(file.entries));
+  return [path, copy, metadata = std::move(file.metadata), parallel = options.parallel](const SaveComms& comms) {
+    write_sharded(path, copy->entries, metadata, parallel, comms);
+  };
+}
+
+}  // namespace detail
+
+PendingSave save_optimizer_state_async(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                       const std::string& path, const SaveOptions& options) {
+  detail::wait_for_background_save();  // one copy in memory at a time
+  return detail::start_background_save(path, detail::optimizer_state_writer(model, optimizer, path, options));
 }
 
 void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const std::string& path) {

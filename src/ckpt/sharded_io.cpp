@@ -6,27 +6,29 @@
 
 #include <sys/stat.h>
 
+#include <unordered_map>
+
 namespace ztrain::detail {
 
 namespace {
 
 bool any_sharded(const std::vector<ShardedEntry>& entries) {
   for (const auto& e : entries) {
-    if (e.owner) return true;
+    if (e.layout) return true;
   }
   return false;
 }
 
 /// Element offset of entry `e` in a source laid out like the group's shard, for piece `p`.
 int64_t source_offset(const ShardedEntry& e, const ShardPiece& p) {
-  if (e.owner->zero_level() >= 1) return p.shard_offset;
-  return e.owner->groups()[e.group].layout.entries()[e.entry].offset + p.begin;  // level 0: full
+  if (e.zero_level >= 1) return p.shard_offset;
+  return e.layout->entries()[e.entry].offset + p.begin;  // level 0: full
 }
 
 /// The pieces of `e` this rank holds (every rank splits level-0 entries the same way).
 std::vector<ShardPiece> own_pieces(const ShardedEntry& e, int rank) {
   std::vector<ShardPiece> out;
-  for (const auto& p : e.owner->groups()[e.group].layout.pieces(rank)) {
+  for (const auto& p : e.layout->pieces(rank)) {
     if (p.entry == e.entry) out.push_back(p);
   }
   return out;
@@ -40,9 +42,9 @@ class DpGatherer {
   explicit DpGatherer(Communicator* dp) : dp_(dp) {}
 
   torch::Tensor local(const ShardedEntry& e) {
-    if (!e.owner) return e.source.detach();
-    const auto& layout = e.owner->groups()[e.group].layout;
-    if (e.owner->zero_level() == 0 || !dp_) {
+    if (!e.layout) return e.source.detach();
+    const auto& layout = *e.layout;
+    if (e.zero_level == 0 || !dp_) {
       full_ = e.source.detach();
     } else if (!from_.defined() || !from_.is_same(e.source)) {
       full_ = torch::empty({layout.total_numel()}, e.source.options());
@@ -80,7 +82,7 @@ void write_parallel(ckpt::SafetensorsWriter& w, const std::vector<ShardedEntry>&
       if (party.world_rank == 0) w.write(e.name, full);
     } else if (party.tp->rank() != 0) {
       continue;  // a replica of what tp rank 0 writes
-    } else if (!e.owner) {
+    } else if (!e.layout) {
       if (party.world_rank == 0) w.write(e.name, e.source.detach());
     } else {
       for (const auto& p : own_pieces(e, party.dp->rank())) {
@@ -113,25 +115,52 @@ bool visible(const std::string& path) {
 }  // namespace
 
 ShardedEntry entry_of(const NamedParameterRef& r, std::string name, const torch::Tensor& source) {
-  return {.name = std::move(name), .dtype = source.scalar_type(), .shape = r.full_shape(), .owner = r.owner,
-          .group = r.group, .entry = r.entry, .source = source, .split = r.tp_split()};
+  return {.name = std::move(name), .dtype = source.scalar_type(), .shape = r.full_shape(),
+          .layout = r.owner ? &r.owner->groups()[r.group].layout : nullptr,
+          .zero_level = r.owner ? r.owner->zero_level() : 0, .entry = r.entry, .source = source,
+          .split = r.tp_split()};
+}
+
+EntrySnapshot snapshot(const std::vector<ShardedEntry>& entries) {
+  torch::NoGradGuard no_grad;
+  EntrySnapshot out;
+  std::unordered_map<const void*, torch::Tensor> sources;
+  std::unordered_map<const FlatParamLayout*, const FlatParamLayout*> layouts;
+  for (auto e : entries) {
+    auto& copy = sources[e.source.unsafeGetTensorImpl()];
+    if (!copy.defined()) copy = e.source.detach().clone();
+    e.source = copy;
+    if (e.layout) {
+      auto& l = layouts[e.layout];
+      if (!l) l = &out.layouts.emplace_back(*e.layout);
+      e.layout = l;
+    }
+    out.entries.push_back(std::move(e));
+  }
+  return out;
+}
+
+SaveComms runtime_comms() {
+  if (!is_initialized()) return {};
+  auto& rt = runtime();
+  return {.world = &rt.world(), .dp = &rt.dp(), .tp = &rt.tp()};
 }
 
 void write_sharded(const std::string& path, const std::vector<ShardedEntry>& entries, ckpt::Metadata metadata,
-                   std::optional<bool> parallel) {
+                   std::optional<bool> parallel, const SaveComms& comms) {
   std::vector<ckpt::TensorSpec> specs;
   for (const auto& e : entries) specs.push_back({e.name, e.dtype, e.shape});
   torch::NoGradGuard no_grad;
-  if (!is_initialized()) {
+  if (!comms.world) {
     ZTRAIN_CHECK(!any_sharded(entries), "save '", path, "': sharded modules need init_distributed");
     ckpt::SafetensorsWriter w(path, specs, metadata);
     write_gathered(&w, entries, {});
     w.commit();
     return;
   }
-  auto& rt = runtime();
-  auto& world = rt.world();
-  const Party party{.dp = &rt.dp(), .tp = &rt.tp(), .world_rank = world.rank()};
+  ZTRAIN_INTERNAL_ASSERT(comms.dp && comms.tp, "write_sharded: a world communicator without dp and tp ones");
+  auto& world = *comms.world;
+  const Party party{.dp = comms.dp, .tp = comms.tp, .world_rank = world.rank()};
   std::optional<ckpt::SafetensorsWriter> owner;  // world rank 0 creates and commits the file
   std::string error;
   if (world.rank() == 0) {
@@ -173,12 +202,12 @@ void read_sharded(const ckpt::SafetensorsReader& reader, const ShardedEntry& e) 
   torch::NoGradGuard no_grad;
   torch::Tensor slice;  // a tensor-parallel entry: this tp rank's slice, flat
   if (e.split) slice = tp::slice(reader.read(e.name), *e.split, tp::group_rank(), tp::group_size()).view(-1);
-  if (!e.owner) {
+  if (!e.layout) {
     e.source.copy_(slice.defined() ? slice.view_as(e.source) : reader.read(e.name));
     return;
   }
-  const auto& entry = e.owner->groups()[e.group].layout.entries()[e.entry];
-  if (e.owner->zero_level() == 0) {
+  const auto& entry = e.layout->entries()[e.entry];
+  if (e.zero_level == 0) {
     e.source.narrow(0, entry.offset, entry.numel).copy_(slice.defined() ? slice : reader.read(e.name).reshape(-1));
     return;
   }

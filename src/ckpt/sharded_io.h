@@ -6,23 +6,25 @@
 #include <ztrain/ckpt/safetensors.h>
 #include <ztrain/zero/sharded_module.h>
 
+#include <deque>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace ztrain::detail {
 
-/// One file entry: the full tensor `name` [shape] of parameter (owner, group, entry). `source`
-/// holds this rank's part laid out like the group's shard — owner->groups()[group].shard (the
-/// full buffer at level 0) or an optimizer state shaped like it. Without an owner, `source` is
-/// the whole tensor (the same on every dp rank). With `split` (set only when the tp group has
-/// several ranks) the parameter is this tp rank's slice and `shape` the unsplit one.
+/// One file entry: the full tensor `name` [shape] of entry `entry` of a sharded module's group
+/// laid out by `layout` at ZeRO level `zero_level`. `source` holds this rank's part laid out
+/// like the group's shard — the group's shard (the full buffer at level 0) or an optimizer
+/// state shaped like it. Without a layout, `source` is the whole tensor of a plain parameter
+/// (the same on every dp rank). With `split` (set only when the tp group has several ranks)
+/// the parameter is this tp rank's slice and `shape` the unsplit one.
 struct ShardedEntry {
   std::string name;
   c10::ScalarType dtype;
   std::vector<int64_t> shape;
-  ShardedModule* owner = nullptr;
-  size_t group = 0;
+  const FlatParamLayout* layout = nullptr;
+  int zero_level = 0;
   size_t entry = 0;
   torch::Tensor source;
   std::optional<tp::Split> split;
@@ -31,10 +33,32 @@ struct ShardedEntry {
 /// The entry of parameter `r` whose values are `source` (as ShardedEntry::source).
 ShardedEntry entry_of(const NamedParameterRef& r, std::string name, const torch::Tensor& source);
 
-/// Writes every entry to `path` (collective over the world when a runtime exists). `parallel`
-/// as SaveOptions::parallel.
+/// Entries that depend on nothing outside themselves: every source copied once (entries that
+/// shared a source share its copy) and every layout copied, so the tensors and modules they
+/// were taken from may change or go away while the copy is written.
+struct EntrySnapshot {
+  std::vector<ShardedEntry> entries;
+  std::deque<FlatParamLayout> layouts;  // what entries[i].layout points to
+};
+EntrySnapshot snapshot(const std::vector<ShardedEntry>& entries);
+
+/// The communicators a save runs its collectives on: the runtime's for a save on the thread
+/// that trains, duplicates of them for one on a background thread (so the two never interleave
+/// collectives on one communicator). All null without a runtime: one process writes alone.
+struct SaveComms {
+  Communicator* world = nullptr;
+  Communicator* dp = nullptr;
+  Communicator* tp = nullptr;
+};
+/// The runtime's world, dp and tp communicators (all null when there is no runtime).
+SaveComms runtime_comms();
+
+/// Writes every entry to `path`, collective over `comms.world` (every rank of it must call
+/// with the same entry names, shapes and dtypes), all-gathering ZeRO shards over `comms.dp` and
+/// tensor-parallel slices over `comms.tp`. The file is published atomically on rank 0 of the
+/// world and visible to every rank when this returns. `parallel` as SaveOptions::parallel.
 void write_sharded(const std::string& path, const std::vector<ShardedEntry>& entries, ckpt::Metadata metadata,
-                   std::optional<bool> parallel);
+                   std::optional<bool> parallel, const SaveComms& comms);
 
 /// Fills `e.source` from the file: the elements this rank holds (padding untouched). Converts
 /// dtypes. Throws ztrain::Error naming the entry and the file on a missing entry or a shape

@@ -214,15 +214,7 @@ void AdamW::check_params(const torch::optim::OptimizerParamGroup& group, size_t 
   for (const auto& p : group.params()) check_param(p, group_name(index));
 }
 
-torch::Tensor AdamW::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  torch::NoGradGuard no_grad;
-
-  // Everything is checked before anything changes.
+void AdamW::check_step() const {
   std::unordered_set<const c10::TensorImpl*> seen;
   for (size_t i = 0; i < param_groups_.size(); ++i) {
     const auto where = group_name(i);
@@ -236,29 +228,42 @@ torch::Tensor AdamW::step(LossClosure closure) {
       if (const auto* s = state_of(p)) check_state(*s, p, where);
     }
   }
+}
 
+torch::Tensor AdamW::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  torch::NoGradGuard no_grad;
+  check_step();  // everything is checked before anything changes
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const AdamOptions&>(group.options());
     for (const auto& p : group.params()) {
-      if (p.grad().defined()) update(p, options);
+      if (p.grad().defined()) update(p, p.grad(), options);
     }
   }
   return loss;
 }
 
-void AdamW::update(const torch::Tensor& param, const AdamOptions& o) {
-  const auto type = *weight_type(param.scalar_type());
-  const bool low_precision = type != WeightType::kFloat;
+AdamParamState& AdamW::state_for(const torch::Tensor& param) {
   auto& slot = state_[state_key(param)];
   if (!slot) {
     AdamParamState fresh;
     const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32);
     fresh.exp_avg = torch::zeros(param.sizes(), fp32);
     fresh.exp_avg_sq = torch::zeros(param.sizes(), fp32);
-    if (low_precision) fresh.master = torch::empty(param.sizes(), fp32).copy_(param);
+    if (param.scalar_type() != torch::kFloat32) fresh.master = torch::empty(param.sizes(), fp32).copy_(param);
     slot = std::make_unique<AdamStateEntry>(std::move(fresh));
   }
-  auto& s = static_cast<AdamStateEntry&>(*slot).state;
+  return static_cast<AdamStateEntry&>(*slot).state;
+}
+
+void AdamW::update(const torch::Tensor& param, const torch::Tensor& gradient, const AdamOptions& o) {
+  const auto type = *weight_type(param.scalar_type());
+  const bool low_precision = type != WeightType::kFloat;
+  auto& s = state_for(param);
   s.step += 1;
 
   // The scalars, in double and then rounded to float, as torch.optim's _single_tensor_adam(w).
@@ -281,7 +286,7 @@ void AdamW::update(const torch::Tensor& param, const AdamOptions& o) {
 
   const int64_t n = param.numel();
   if (n > 0) {
-    const torch::Tensor grad = param.grad().contiguous();  // read only
+    const torch::Tensor grad = gradient.contiguous();  // read only
     AdamSpan span;
     span.weight = low_precision ? s.master.data_ptr<float>() : param.data_ptr<float>();
     span.param16 = low_precision ? static_cast<uint16_t*>(param.data_ptr()) : nullptr;
@@ -312,16 +317,19 @@ void AdamW::update(const torch::Tensor& param, const AdamOptions& o) {
 }
 
 AdamParamState* AdamW::state_of(const torch::Tensor& param) {
+  sync();
   const auto it = state_.find(state_key(param));
   return it == state_.end() ? nullptr : &static_cast<AdamStateEntry&>(*it->second).state;
 }
 
 const AdamParamState* AdamW::state_of(const torch::Tensor& param) const {
+  sync();
   const auto it = state_.find(state_key(param));
   return it == state_.end() ? nullptr : &static_cast<const AdamStateEntry&>(*it->second).state;
 }
 
 void AdamW::set_state(const torch::Tensor& param, AdamParamState state) {
+  sync();
   const auto* impl = param.defined() ? param.unsafeGetTensorImpl() : nullptr;
   bool found = false;
   for (const auto& group : param_groups_) {
@@ -334,10 +342,12 @@ void AdamW::set_state(const torch::Tensor& param, AdamParamState state) {
 }
 
 void AdamW::save(torch::serialize::OutputArchive& archive) const {
+  sync();
   torch::optim::serialize<AdamStateEntry, AdamOptions>(archive, *this);
 }
 
 void AdamW::load(torch::serialize::InputArchive& archive) {
+  sync();
   torch::optim::serialize<AdamStateEntry, AdamOptions>(archive, *this);
 }
 

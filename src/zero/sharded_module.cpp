@@ -3,6 +3,7 @@
 #include <ztrain/comm/comm_stream.h>
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/runtime/pending_updates.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/engine.h>
@@ -354,7 +355,11 @@ void ShardedModule::start_gather() {
   const int rank = context_->dp().rank();
   for (size_t g = 0; g < groups_.size(); ++g) {
     auto& group = groups_[g];
-    gathered_versions_[g] = group.shard._version();
+    if (update_pending(group.shard)) {
+      // An asynchronous optimizer is still writing the shard: wait on the gather stream, so
+      // the forward thread goes on until it needs these parameters.
+      stream.submit([shard = group.shard](Communicator&) { wait_for_update(shard); }, "wait for the optimizer");
+    }
     if (options_.zero_level == 1) {
       const auto [begin, end] = group.layout.shard_range(rank);
       gathering_.push_back(stream.all_gather(group.full.narrow(0, begin, end - begin), group.full));
@@ -369,6 +374,9 @@ void ShardedModule::finish_gather() {
   auto works = std::move(gathering_);
   gathering_.clear();
   for (auto& w : works) w.wait();
+  // Recorded now, not when the gather started: an asynchronous optimizer may still have been
+  // writing the shard then (the gather stream waited for it), and every rank must see the same.
+  for (size_t g = 0; g < groups_.size(); ++g) gathered_versions_[g] = groups_[g].shard._version();
   gathered_ = true;
   stale_ = false;
 }
@@ -393,6 +401,9 @@ void ShardedModule::release() {
 
 void ShardedModule::before(const std::vector<ShardedModule*>& neighbours) {
   const bool need = !is_gathered() || !gathering_.empty();
+  if (!need) {
+    for (const auto& g : groups_) wait_for_update(g.shard);  // levels 0 and 1 compute from it
+  }
   if (need && gathering_.empty()) start_gather();
   for (auto* n : neighbours) n->prefetch();
   if (need) finish_gather();
@@ -619,6 +630,7 @@ torch::Tensor unsplit(const NamedParameterRef& ref, torch::Tensor local) {
 }  // namespace
 
 torch::Tensor full_parameter(const NamedParameterRef& ref) {
+  wait_for_all_updates();
   if (!ref.owner) return unsplit(ref, local_value(ref));
   const bool was_gathered = ref.owner->is_gathered();
   ref.owner->gather();
@@ -628,6 +640,7 @@ torch::Tensor full_parameter(const NamedParameterRef& ref) {
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn::Module& module) {
+  wait_for_all_updates();
   std::vector<std::pair<std::string, torch::Tensor>> out;
   ShardedModule* current = nullptr;  // the sharded module whose parameters are being copied
   bool release_current = false;       // gathered here, so released here
@@ -647,6 +660,13 @@ std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn
 bool is_dp_sharded(const torch::Tensor& t) {
   auto context = detail::ZeroContext::existing();
   return context && t.defined() && context->is_dp_shard(t.unsafeGetTensorImpl());
+}
+
+bool is_sharded_module_tensor(const torch::Tensor& t) {
+  auto context = detail::ZeroContext::existing();
+  return context && t.defined() &&
+         (context->is_dp_shard(t.unsafeGetTensorImpl()) ||
+          (t.has_storage() && context->owns_storage(t.storage().unsafeGetStorageImpl())));
 }
 
 void wait_gradient_reductions() {

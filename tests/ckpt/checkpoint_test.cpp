@@ -75,6 +75,65 @@ TEST(Checkpoint, ResumeContinuesBitForBit) {
   if (rank() == 0) fs::remove_all(root);
 }
 
+// The optimizer state is written while training goes on; the checkpoint is published only after
+// that file is complete, and resumes like a synchronous one.
+TEST(Checkpoint, AsyncSaveResumesBitForBitAndPublishesLast) {
+  ASSERT_EQ(world_size(), expected_world_size());
+  const auto root = shared_root("async");
+  torch::manual_seed(100 + rank());
+  Trainer reference(1);
+  reference.train(5);
+  const auto want_dir = fs::path(root) / "step-00000005";
+  bool published_early = true, optimizer_file_ready = false;
+  CheckpointOptions options{.before_publish = [&] {
+    published_early = fs::exists(want_dir) || latest_checkpoint(root).has_value();
+    optimizer_file_ready = false;
+    for (const auto& d : fs::directory_iterator(root)) {
+      if (d.path().filename().string().starts_with(".step-00000005.tmp")) {
+        const auto file = (d.path() / "optimizer.safetensors").string();
+        optimizer_file_ready = !ckpt::SafetensorsReader(file).entries().empty();
+      }
+    }
+  }};
+  auto pending =
+      save_checkpoint_async(root, reference.step, reference.state(), R"({"data": {"position": 5}})", options);
+  EXPECT_EQ(pending.path(), want_dir.string());
+  reference.train(5);  // steps while the optimizer file is written
+  pending.wait();
+  EXPECT_FALSE(published_early);
+  EXPECT_TRUE(optimizer_file_ready);
+  EXPECT_EQ(latest_checkpoint(root), want_dir.string());
+
+  torch::manual_seed(999);
+  Trainer resumed(7);
+  const auto info = load_checkpoint(want_dir.string(), resumed.state());
+  EXPECT_EQ(info.step, 5);
+  EXPECT_EQ(info.extra_json, R"({"data":{"position":5}})");
+  resumed.step = info.step;
+  resumed.train(5);
+  const auto want = gathered_parameters(*reference.model), got = gathered_parameters(*resumed.model);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(got[i].second.equal(want[i].second)) << want[i].first;
+  EXPECT_EQ(resumed.mgr.state(), reference.mgr.state());
+
+  // A publication that fails on rank 0 (its optimizer file vanished) is rethrown at wait() on
+  // every rank and publishes nothing.
+  auto failing = save_checkpoint_async(root, 11, reference.state(), "{}", {.before_publish = [&] {
+    if (rank() != 0) return;
+    for (const auto& d : fs::directory_iterator(root)) {
+      if (d.path().filename().string().starts_with(".step-00000011.tmp")) {
+        fs::remove(d.path() / "optimizer.safetensors");
+      }
+    }
+  }});
+  reference.train(1);
+  const auto msg = error_message([&] { failing.wait(); });
+  EXPECT_NE(msg.find("optimizer.safetensors"), std::string::npos) << msg;
+  EXPECT_FALSE(fs::exists(fs::path(root) / "step-00000011"));
+  EXPECT_EQ(latest_checkpoint(root), want_dir.string());
+  synchronize();
+  if (rank() == 0) fs::remove_all(root);
+}
+
 TEST(Checkpoint, CorruptOrMissingFilesAreNamed) {
   const auto root = shared_root("corrupt");
   Trainer t(1);

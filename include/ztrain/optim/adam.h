@@ -164,9 +164,20 @@ class AdamW : public torch::optim::Optimizer {
   int num_threads() const;
   const AdamEngineOptions& engine_options() const { return engine_; }
 
+ protected:
+  /// Throws ztrain::Error if step() could not update every parameter with a gradient.
+  void check_step() const;
+  /// The state of `param`, created (zero moments, fp32 master) before its first update.
+  AdamParamState& state_for(const torch::Tensor& param);
+  /// One update of `param` with `grad` (thread-compatible: different parameters may be updated
+  /// on another thread once their state exists).
+  void update(const torch::Tensor& param, const torch::Tensor& grad, const AdamOptions& options);
+  /// Called before the state is read or replaced from outside (an asynchronous subclass waits
+  /// for its updates).
+  virtual void sync() const {}
+
  private:
   void check_params(const torch::optim::OptimizerParamGroup& group, size_t index) const;
-  void update(const torch::Tensor& param, const AdamOptions& options);
 
   AdamEngineOptions engine_;
   AdamKernel kernel_;

@@ -184,6 +184,11 @@ std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn
 /// different elements (gradient norms count it on every rank; replicated tensors once).
 bool is_dp_sharded(const torch::Tensor& t);
 
+/// Whether `t` is a tensor a sharded module registered for optimizers (a shard at levels 1–3,
+/// the full buffer at level 0): sharded modules wait for pending updates of such tensors
+/// themselves (runtime/pending_updates.h), so an optimizer may update them asynchronously.
+bool is_sharded_module_tensor(const torch::Tensor& t);
+
 /// Waits for the gradient reductions still in flight (backward() waits for them itself; this
 /// is for code that calls torch::autograd::grad or runs backward on another thread).
 void wait_gradient_reductions();

@@ -1,0 +1,118 @@
+#include <ztrain/optim/adam_offload.h>
+
+#include <ztrain/runtime/pending_updates.h>
+#include <ztrain/zero/sharded_module.h>
+
+namespace ztrain::optim {
+
+AdamOffload::AdamOffload(std::vector<torch::optim::OptimizerParamGroup> param_groups, AdamOptions defaults,
+                         AdamEngineOptions engine)
+    : AdamW(std::move(param_groups), std::move(defaults), engine) {
+  start();
+}
+
+AdamOffload::AdamOffload(std::vector<torch::Tensor> params, AdamOptions defaults, AdamEngineOptions engine)
+    : AdamW(std::move(params), std::move(defaults), engine) {
+  start();
+}
+
+AdamOffload::~AdamOffload() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (worker_.joinable()) worker_.join();  // runs what was queued first
+}
+
+void AdamOffload::start() { worker_ = std::thread([this] { run(); }); }
+
+void AdamOffload::run() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      job = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    job();
+  }
+}
+
+bool AdamOffload::busy() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& f : in_flight_) {
+    if (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return true;
+  }
+  return false;
+}
+
+void AdamOffload::wait() {
+  std::vector<std::shared_future<void>> all;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    all.swap(in_flight_);
+  }
+  std::exception_ptr first;
+  for (auto& f : all) {
+    try {
+      f.get();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+torch::Tensor AdamOffload::step(LossClosure closure) {
+  wait();
+  torch::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  torch::NoGradGuard no_grad;
+  check_step();
+
+  struct Deferred {
+    torch::Tensor param, grad;
+    const AdamOptions* options;
+  };
+  std::vector<Deferred> deferred;
+  for (auto& group : param_groups_) {
+    const auto& options = static_cast<const AdamOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      auto grad = p.grad();
+      p.mutable_grad().reset();  // the step takes the gradient
+      if (is_sharded_module_tensor(p)) {
+        state_for(p);  // created here, so the update thread never inserts into the state map
+        deferred.push_back({p, grad, &options});
+      } else {
+        update(p, grad, options);
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& d : deferred) {
+    auto promise = std::make_shared<std::promise<void>>();
+    std::shared_future<void> done = promise->get_future().share();
+    mark_pending_update(d.param, done);
+    in_flight_.push_back(done);
+    // Options are copied: a scheduler may change the group's lr before the update runs.
+    queue_.push_back([this, d, options = *d.options, promise] {
+      try {
+        update(d.param, d.grad, options);
+        promise->set_value();
+      } catch (...) {
+        promise->set_exception(std::current_exception());
+      }
+    });
+  }
+  wake_.notify_one();
+  return loss;
+}
+
+}  // namespace ztrain::optim

@@ -1,0 +1,125 @@
+// AdamOffload: the same numbers as AdamW, bit for bit, with the update running behind the next
+// forward; sharded modules wait for their own shards, plain parameters are updated in step().
+
+#include "test_util.h"
+
+#include <filesystem>
+
+namespace ztrain::test {
+namespace {
+
+using models::Gpt;
+using models::GptConfig;
+
+const GptConfig kConfig{.vocab_size = 64, .context = 16, .d_model = 32, .n_layer = 3, .n_head = 4};
+constexpr int kSteps = 12;
+
+torch::Tensor batch(int step) {
+  const int dp = runtime().dp().size(), r = runtime().dp().rank();
+  auto tokens = torch::randint(kConfig.vocab_size, {4, 13}, at::detail::createCPUGenerator(300 + step), torch::kLong);
+  return tokens.slice(0, 4 / dp * r, 4 / dp * (r + 1));
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  std::vector<int64_t> steps;  // AdamParamState::step of every optimizer parameter
+};
+
+template <class Optimizer>
+Run train(int level, c10::ScalarType dtype, int grad_accum) {
+  auto c = kConfig;
+  c.dtype = dtype;
+  Gpt model(c, {.zero_level = level, .use_checkpoint = level % 2 == 1});
+  init_parameters(*model, {.seed = 3, .init = models::gpt_init(c)});
+  Optimizer opt(model->parameters(), optim::AdamOptions(1e-2).weight_decay(0.1));
+  optim::OptimManager mgr;
+  // The schedule changes the lr after each step, while AdamOffload's updates may still run.
+  mgr.add_optimizer(opt, std::make_shared<lr_scheduler::Cosine>(
+                             LRSchedulerOptions{.peak_lr = 1e-2, .warmup_steps = 3, .total_steps = kSteps}));
+  Run run;
+  for (int step = 0; step < kSteps; ++step) {
+    mgr.zero_grad();
+    double loss = 0;
+    for (int micro = 0; micro < grad_accum; ++micro) {
+      auto l = model->loss(batch(step * grad_accum + micro)) / grad_accum;
+      mgr.backward(l);
+      loss += l.item<double>();
+    }
+    mgr.clip_grad_norm(0.5);
+    mgr.step();
+    run.losses.push_back(sum_loss(torch::tensor(loss)).item<double>());
+  }
+  for (const auto& p : model->parameters()) run.steps.push_back(opt.state_of(p) ? opt.state_of(p)->step : -1);
+  run.params = gathered_parameters(*model);
+  return run;
+}
+
+TEST(AdamOffload, EqualsAdamWBitForBitAtEveryZeroLevel) {
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (int level = 0; level <= 3; ++level) {
+      SCOPED_TRACE(c10::str("level ", level, " ", dtype));
+      const int accum = level == 2 ? 2 : 1;
+      const auto ref = train<optim::AdamW>(level, dtype, accum);
+      const auto got = train<optim::AdamOffload>(level, dtype, accum);
+      for (int i = 0; i < kSteps; ++i) EXPECT_EQ(got.losses[i], ref.losses[i]) << "step " << i;
+      ASSERT_EQ(got.params.size(), ref.params.size());
+      for (size_t i = 0; i < ref.params.size(); ++i) {
+        EXPECT_TRUE(tensors_equal(got.params[i].second, ref.params[i].second)) << ref.params[i].first;
+      }
+      EXPECT_EQ(got.steps, ref.steps);
+      EXPECT_EQ(got.steps.front(), kSteps);
+    }
+  }
+}
+
+// A model with a plain parameter next to sharded ones: the plain one is updated inside step(),
+// the sharded ones before their module next uses them; step() takes every gradient.
+TEST(AdamOffload, PlainParametersInStepShardsBeforeTheirUse) {
+  struct Net : torch::nn::Module {
+    BlockList<torch::nn::Linear> blocks{4, [](int64_t) { return torch::nn::Linear(64, 64); }, {.zero_level = 3}};
+    torch::nn::Linear head{64, 4};
+    Net() {
+      register_module("blocks", blocks);
+      register_module("head", head);
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return head(blocks(x)); }
+  };
+  torch::manual_seed(1);
+  auto a = std::make_shared<Net>();
+  torch::manual_seed(1);
+  auto b = std::make_shared<Net>();
+  optim::AdamW plain_opt(a->parameters(), optim::AdamOptions(1e-2));
+  optim::AdamOffload offload_opt(b->parameters(), optim::AdamOptions(1e-2));
+  auto x = torch::randn({8, 64}, at::detail::createCPUGenerator(7));
+  for (int step = 0; step < 3; ++step) {
+    a->forward(x).pow(2).mean().backward();
+    b->forward(x).pow(2).mean().backward();
+    plain_opt.step();
+    offload_opt.step();
+    // The head (not in a sharded module) is already updated when step() returns.
+    EXPECT_TRUE(tensors_equal(b->head->weight.detach(), a->head->weight.detach()));
+    for (const auto& p : b->parameters()) EXPECT_FALSE(p.grad().defined()) << "step() takes the gradients";
+    plain_opt.zero_grad();
+    if (step == 1) {
+      // A model file written right after step() holds the updated weights.
+      const auto path = c10::str(std::filesystem::temp_directory_path().string(), "/adam_offload_", ::getpid(), "_",
+                                 runtime().rank(), ".safetensors");
+      const auto shared = runtime().world().broadcast_bytes(path, 0);
+      save(*b, shared);
+      const ckpt::SafetensorsReader file(shared);
+      for (const auto& [name, value] : gathered_parameters(*a)) EXPECT_TRUE(tensors_equal(file.read(name), value)) << name;
+      synchronize();
+      if (runtime().rank() == 0) std::filesystem::remove(shared);
+    }
+    // The next forward waits for each block's shard: the outputs agree.
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(tensors_equal(b->forward(x), a->forward(x)));
+  }
+  offload_opt.wait();
+  EXPECT_FALSE(offload_opt.busy());
+  for (const auto& p : b->parameters()) EXPECT_EQ(offload_opt.state_of(p)->step, 3);
+}
+
+}  // namespace
+}  // namespace ztrain::test
