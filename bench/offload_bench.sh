@@ -8,21 +8,10 @@
 set -euo pipefail
 build=${1:-build}
 repeats=${2:-3}
-root=$(cd "$(dirname "$0")/.." && pwd)
-gpt=$build/apps/ztrain-gpt/ztrain-gpt
-[[ -x $gpt ]] || { echo "offload_bench: $gpt not found; build first (scripts/build.sh)" >&2; exit 1; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+source "$(dirname "$0")/gpt_bench_common.sh"
+gpt_bench_setup offload_bench "$build"
 args=(train --data "$root/data/tinyshakespeare.txt" --preset small --d-model 512 --context 64 --seq 32 --batch 2
       --steps 60 --eval-interval 0 --zero-level 0)
-
-median_tokens() {
-  python3 -c '
-import json, statistics, sys
-v = [json.loads(l)["tokens_per_s"] for l in open(sys.argv[1]) if l.strip()][5:]
-print(f"{statistics.median(v):.0f}")' "$1"
-}
 
 declare -a adamw offload
 for ((i = 0; i < repeats; i++)); do

@@ -9,20 +9,9 @@ set -euo pipefail
 build=${1:-build}
 preset=${2:-small}
 steps=${3:-40}
-root=$(cd "$(dirname "$0")/.." && pwd)
-gpt=$build/apps/ztrain-gpt/ztrain-gpt
-[[ -x $gpt ]] || { echo "tp_bench: $gpt not found; build first (scripts/build.sh)" >&2; exit 1; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+source "$(dirname "$0")/gpt_bench_common.sh"
+gpt_bench_setup tp_bench "$build"
 common=(train --data "$root/data/tinyshakespeare.txt" --preset "$preset" --steps "$steps" --eval-interval 0 --warmup 5)
-
-median_tokens() {
-  python3 -c '
-import json, statistics, sys
-v = [json.loads(l)["tokens_per_s"] for l in open(sys.argv[1]) if l.strip()][5:]
-print(f"{statistics.median(v):.0f}")' "$1"
-}
 
 run() {  # run NAME ARGS...
   local name=$1; shift
