@@ -30,12 +30,13 @@ void save(torch::nn::Module& model, const std::string& path, const SaveOptions& 
 void load(torch::nn::Module& model, const std::string& path, const LoadOptions& options) {
   ckpt::SafetensorsReader reader(path);
   const auto entries = model_entries(model);
-  std::set<std::string> expected;
-  std::vector<std::string> missing;
+  std::vector<std::string> names, missing;
   for (const auto& e : entries) {
-    expected.insert(e.name);
+    names.push_back(e.name);
     if (!reader.contains(e.name)) missing.push_back(e.name);
   }
+  const auto all_names = options.strict ? detail::names_of_all_stages(names) : names;  // pipeline stages: the whole model's
+  const std::set<std::string> expected(all_names.begin(), all_names.end());
   ZTRAIN_CHECK(missing.empty(), "load: '", path, "' has no tensor '", missing.front(), "' (", missing.size(),
                " of the model's parameters are missing)");
   if (options.strict) {

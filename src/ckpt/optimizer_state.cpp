@@ -5,6 +5,7 @@
 
 #include <ztrain/error.h>
 #include <ztrain/optim/adam.h>
+#include <ztrain/runtime/init.h>
 
 #include <nlohmann/json.hpp>
 
@@ -156,6 +157,9 @@ StateFile state_file(torch::nn::Module& model, torch::optim::Optimizer& optimize
     if (s.step) {
       for (const auto& r : h.refs) steps[r.name] = *s.step;
     }
+  }
+  if (is_initialized() && runtime().pp().size() > 1) {  // the file's metadata is world rank 0's: every stage's steps
+    for (const auto& part : runtime().pp().all_gather_bytes(steps.dump())) steps.update(nlohmann::json::parse(part));
   }
   out.metadata = options.metadata;
   out.metadata["format"] = "ztrain-optimizer";

@@ -95,12 +95,13 @@ class BackgroundWriter {
       world_ = rt.world().dup(rt.world().name() + ".save");
       dp_ = rt.dp().dup(rt.dp().name() + ".save");
       tp_ = rt.tp().dup(rt.tp().name() + ".save");
+      pp_ = rt.pp().dup(rt.pp().name() + ".save");
     }
-    return {.world = world_.get(), .dp = dp_.get(), .tp = tp_.get()};
+    return {.world = world_.get(), .dp = dp_.get(), .tp = tp_.get(), .pp = pp_.get()};
   }
 
   std::mutex mutex_;
-  std::unique_ptr<Communicator> world_, dp_, tp_;
+  std::unique_ptr<Communicator> world_, dp_, tp_, pp_;
   std::shared_ptr<SaveJob> current_;
   std::thread thread_;
 };

@@ -6,6 +6,8 @@
 
 #include <sys/stat.h>
 
+#include <sstream>
+
 #include <unordered_map>
 
 namespace ztrain::detail {
@@ -60,11 +62,13 @@ class DpGatherer {
   torch::Tensor from_, full_;
 };
 
-/// Who takes part in a save: every rank with a runtime, one rank without.
+/// Who takes part in a save: every rank with a runtime, one rank without. The leader of a
+/// pipeline stage (its first dp and tp rank) writes the stage's whole tensors.
 struct Party {
   Communicator* dp = nullptr;
   Communicator* tp = nullptr;
-  int world_rank = 0;
+  Communicator* pp = nullptr;
+  bool leader = true;
 };
 
 /// The unsplit value of a tensor-parallel entry (collective over dp and tp).
@@ -73,17 +77,17 @@ torch::Tensor unsplit(DpGatherer& gatherer, const ShardedEntry& e, const Party& 
 }
 
 /// Each rank writes the pieces it holds: dp shards of the first tp rank's replicas directly,
-/// tensor-parallel entries (not contiguous in the file) assembled on world rank 0.
+/// tensor-parallel entries (not contiguous in the file) assembled on the stage's leader.
 void write_parallel(ckpt::SafetensorsWriter& w, const std::vector<ShardedEntry>& entries, const Party& party) {
   DpGatherer gatherer(party.dp);
   for (const auto& e : entries) {
     if (e.split) {
       auto full = unsplit(gatherer, e, party);
-      if (party.world_rank == 0) w.write(e.name, full);
+      if (party.leader) w.write(e.name, full);
     } else if (party.tp->rank() != 0) {
       continue;  // a replica of what tp rank 0 writes
     } else if (!e.layout) {
-      if (party.world_rank == 0) w.write(e.name, e.source.detach());
+      if (party.leader) w.write(e.name, e.source.detach());
     } else {
       for (const auto& p : own_pieces(e, party.dp->rank())) {
         w.write_range(e.name, p.begin, e.source.detach().narrow(0, source_offset(e, p), p.end - p.begin));
@@ -92,10 +96,14 @@ void write_parallel(ckpt::SafetensorsWriter& w, const std::vector<ShardedEntry>&
   }
 }
 
-/// Only `w`'s rank (world rank 0) writes; everything is gathered to it one entry at a time.
-void write_gathered(ckpt::SafetensorsWriter* w, const std::vector<ShardedEntry>& entries, const Party& party) {
+/// Only `w`'s rank (world rank 0) writes; everything is gathered to it one entry at a time:
+/// within each stage, then from the leaders of the later stages (`later`: what each of them
+/// writes, in their order) over the pipeline group.
+void write_gathered(ckpt::SafetensorsWriter* w, const std::vector<ShardedEntry>& entries, const Party& party,
+                    const std::vector<std::vector<ckpt::TensorSpec>>& later = {}) {
   DpGatherer gatherer(party.dp);
   const bool first_tp_rank = !party.tp || party.tp->rank() == 0;
+  const int stage = party.pp ? party.pp->rank() : 0;
   for (const auto& e : entries) {
     torch::Tensor value;
     if (e.split) {
@@ -103,8 +111,81 @@ void write_gathered(ckpt::SafetensorsWriter* w, const std::vector<ShardedEntry>&
     } else if (first_tp_rank) {
       value = gatherer.local(e);
     }
-    if (w) w->write(e.name, value.reshape(e.shape));
+    if (w) {
+      w->write(e.name, value.reshape(e.shape));
+    } else if (stage > 0 && party.leader) {
+      party.pp->send(value.reshape(e.shape).contiguous(), 0);
+    }
   }
+  if (!w) return;
+  for (size_t s = 0; s < later.size(); ++s) {
+    for (const auto& spec : later[s]) {
+      auto value = torch::empty(spec.shape, torch::TensorOptions().dtype(spec.dtype));
+      party.pp->recv(value, static_cast<int>(s) + 1);
+      w->write(spec.name, value);
+    }
+  }
+}
+
+/// The specs of every pipeline stage's entries, in stage order (collective over `pp`).
+std::vector<std::vector<ckpt::TensorSpec>> specs_of_all_stages(Communicator& pp, const std::vector<ckpt::TensorSpec>& mine) {
+  std::string bytes;
+  for (const auto& s : mine) {
+    bytes += s.name + '\0' + std::to_string(static_cast<int>(s.dtype));
+    for (auto d : s.shape) bytes += ' ' + std::to_string(d);
+    bytes += '\0';
+  }
+  std::vector<std::vector<ckpt::TensorSpec>> out;
+  for (const auto& part : pp.all_gather_bytes(bytes)) {
+    auto& specs = out.emplace_back();
+    for (size_t at = 0; at < part.size();) {
+      const auto name_end = part.find('\0', at), end = part.find('\0', name_end + 1);
+      std::istringstream fields(part.substr(name_end + 1, end - name_end - 1));
+      int dtype = 0;
+      fields >> dtype;
+      std::vector<int64_t> shape;
+      for (int64_t d; fields >> d;) shape.push_back(d);
+      specs.push_back({part.substr(at, name_end - at), static_cast<c10::ScalarType>(dtype), std::move(shape)});
+      at = end + 1;
+    }
+  }
+  return out;
+}
+
+/// What a save across pipeline stages writes: the file's specs (every stage's, a name held by
+/// several taken from the lowest), this stage's entries left to write, and what each later
+/// stage writes.
+struct StagePlan {
+  std::vector<ckpt::TensorSpec> specs;
+  std::vector<ShardedEntry> entries;
+  std::vector<std::vector<ckpt::TensorSpec>> later;
+};
+
+StagePlan plan_stages(Communicator& pp, const std::vector<ShardedEntry>& entries, const std::vector<ckpt::TensorSpec>& mine) {
+  StagePlan plan;
+  struct Owner {
+    size_t stage, spec;
+  };
+  std::unordered_map<std::string, Owner> owners;
+  const auto all = specs_of_all_stages(pp, mine);
+  plan.later.resize(all.size() - 1);
+  for (size_t s = 0; s < all.size(); ++s) {
+    for (const auto& spec : all[s]) {
+      auto [it, fresh] = owners.emplace(spec.name, Owner{s, plan.specs.size()});
+      if (!fresh) {
+        const auto& first = plan.specs[it->second.spec];
+        ZTRAIN_CHECK(first.dtype == spec.dtype && first.shape == spec.shape, "save: '", spec.name,
+                     "' is held by pipeline stages ", it->second.stage, " and ", s, " with different shapes or dtypes");
+        continue;
+      }
+      plan.specs.push_back(spec);
+      if (s > 0) plan.later[s - 1].push_back(spec);
+    }
+  }
+  for (const auto& e : entries) {
+    if (owners.at(e.name).stage == static_cast<size_t>(pp.rank())) plan.entries.push_back(e);
+  }
+  return plan;
 }
 
 bool visible(const std::string& path) {
@@ -143,7 +224,21 @@ EntrySnapshot snapshot(const std::vector<ShardedEntry>& entries) {
 SaveComms runtime_comms() {
   if (!is_initialized()) return {};
   auto& rt = runtime();
-  return {.world = &rt.world(), .dp = &rt.dp(), .tp = &rt.tp()};
+  return {.world = &rt.world(), .dp = &rt.dp(), .tp = &rt.tp(), .pp = &rt.pp()};
+}
+
+std::vector<std::string> names_of_all_stages(const std::vector<std::string>& names) {
+  if (!is_initialized() || runtime().pp().size() == 1) return names;
+  std::string bytes;
+  for (const auto& n : names) bytes += n + '\0';
+  std::vector<std::string> out;
+  for (const auto& part : runtime().pp().all_gather_bytes(bytes)) {
+    for (size_t at = 0, end; at < part.size(); at = end + 1) {
+      end = part.find('\0', at);
+      out.push_back(part.substr(at, end - at));
+    }
+  }
+  return out;
 }
 
 void write_sharded(const std::string& path, const std::vector<ShardedEntry>& entries, ckpt::Metadata metadata,
@@ -158,9 +253,13 @@ void write_sharded(const std::string& path, const std::vector<ShardedEntry>& ent
     w.commit();
     return;
   }
-  ZTRAIN_INTERNAL_ASSERT(comms.dp && comms.tp, "write_sharded: a world communicator without dp and tp ones");
+  ZTRAIN_INTERNAL_ASSERT(comms.dp && comms.tp && comms.pp, "write_sharded: a world communicator without dp, tp and pp ones");
   auto& world = *comms.world;
-  const Party party{.dp = comms.dp, .tp = comms.tp, .world_rank = world.rank()};
+  const Party party{.dp = comms.dp, .tp = comms.tp, .pp = comms.pp,
+                    .leader = comms.dp->rank() == 0 && comms.tp->rank() == 0};
+  StagePlan plan{.specs = std::move(specs), .entries = entries, .later = {}};
+  if (comms.pp->size() > 1) plan = plan_stages(*comms.pp, entries, plan.specs);
+  specs = plan.specs;
   std::optional<ckpt::SafetensorsWriter> owner;  // world rank 0 creates and commits the file
   std::string error;
   if (world.rank() == 0) {
@@ -182,13 +281,13 @@ void write_sharded(const std::string& path, const std::vector<ShardedEntry>& ent
     std::optional<ckpt::SafetensorsWriter> mine;
     if (!owner) mine.emplace(ckpt::SafetensorsWriter::open_existing(temp_path, specs, metadata));
     auto& w = owner ? *owner : *mine;
-    write_parallel(w, entries, party);
+    write_parallel(w, plan.entries, party);
     w.flush();
     auto counts = torch::tensor(w.written_numel(), torch::kInt64);
     world.all_reduce(counts);
     if (owner) owner->commit(std::vector<int64_t>(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel()));
   } else {
-    write_gathered(owner ? &*owner : nullptr, entries, party);
+    write_gathered(owner ? &*owner : nullptr, plan.entries, party, plan.later);
     if (owner) owner->commit();
   }
   world.barrier();  // the file is published when save returns on any rank

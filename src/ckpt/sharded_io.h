@@ -49,16 +49,23 @@ struct SaveComms {
   Communicator* world = nullptr;
   Communicator* dp = nullptr;
   Communicator* tp = nullptr;
+  Communicator* pp = nullptr;
 };
-/// The runtime's world, dp and tp communicators (all null when there is no runtime).
+/// The runtime's world, dp, tp and pp communicators (all null when there is no runtime).
 SaveComms runtime_comms();
 
-/// Writes every entry to `path`, collective over `comms.world` (every rank of it must call
-/// with the same entry names, shapes and dtypes), all-gathering ZeRO shards over `comms.dp` and
-/// tensor-parallel slices over `comms.tp`. The file is published atomically on rank 0 of the
-/// world and visible to every rank when this returns. `parallel` as SaveOptions::parallel.
+/// Writes every entry to `path`, collective over `comms.world`, all-gathering ZeRO shards over
+/// `comms.dp` and tensor-parallel slices over `comms.tp`. The ranks of one pipeline stage
+/// must call with the same entry names, shapes and dtypes; each stage passes its own, and the
+/// file holds their union, a name several stages hold (a tied parameter, equal on all of them)
+/// taken from the lowest. The file is published atomically on rank 0 of the world and visible
+/// to every rank when this returns. `parallel` as SaveOptions::parallel.
 void write_sharded(const std::string& path, const std::vector<ShardedEntry>& entries, ckpt::Metadata metadata,
                    std::optional<bool> parallel, const SaveComms& comms);
+
+/// The union of every pipeline stage's `names` (collective over the runtime's pp group; just
+/// `names` without a runtime).
+std::vector<std::string> names_of_all_stages(const std::vector<std::string>& names);
 
 /// Fills `e.source` from the file: the elements this rank holds (padding untouched). Converts
 /// dtypes. Throws ztrain::Error naming the entry and the file on a missing entry or a shape

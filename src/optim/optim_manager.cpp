@@ -1,6 +1,7 @@
 #include <ztrain/optim/optim_manager.h>
 
 #include <ztrain/error.h>
+#include <ztrain/pipe/pipeline.h>
 #include <ztrain/runtime/init.h>
 #include <ztrain/zero/sharded_module.h>
 
@@ -60,7 +61,8 @@ double OptimManager::grad_norm() {
   unscale();
   // Each element once: a dp-sharded gradient is distinct on every dp rank, a tensor-parallel
   // one on every tp rank; a replicated one is the same on all ranks of its group, so each copy
-  // contributes 1/size of its square sum.
+  // contributes 1/size of its square sum. Likewise for a parameter tied across pipeline
+  // stages (pipe::tied_copies). The world sum covers every pipeline stage.
   const int dp = is_initialized() ? runtime().dp().size() : 1;
   const int tp = tp::group_size();
   double local = 0;
@@ -69,7 +71,7 @@ double OptimManager::grad_norm() {
       for (const auto& p : group.params()) {
         if (!p.grad().defined()) continue;
         const double sq = p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
-        local += (is_dp_sharded(p) ? sq : sq / dp) / (tp::is_tp_distinct(p) ? 1 : tp);
+        local += (is_dp_sharded(p) ? sq : sq / dp) / (tp::is_tp_distinct(p) ? 1 : tp) / pipe::tied_copies(p);
       }
     }
   }

@@ -2,6 +2,8 @@
 
 #include <ztrain/runtime/init.h>
 
+#include "../runtime/tensor_attributes.h"
+
 #include <algorithm>
 #include <deque>
 #include <limits>
@@ -74,7 +76,14 @@ std::vector<int64_t> partition_explicit(std::vector<int64_t> bounds, int64_t n, 
 
 namespace {
 Communicator& pipeline_group() { return runtime().pp(); }
+
+detail::TensorAttributes<int>& tied_registry() {
+  static detail::TensorAttributes<int> r;
+  return r;
+}
 }  // namespace
+
+int tied_copies(const torch::Tensor& t) { return tied_registry().find(t).value_or(1); }
 
 Pipeline::Pipeline(std::vector<std::shared_ptr<StageImpl>> chunks, PipelineOptions options)
     : chunks_(std::move(chunks)),
@@ -138,6 +147,8 @@ void Pipeline::tie(const std::string& name, std::vector<torch::Tensor> local) {
     auto value = local[0].detach().clone();
     group->broadcast(value, 0);
     for (auto& t : local) t.copy_(value.view_as(t));
+    const int copies = static_cast<int>(group->all_reduce_scalar(static_cast<int64_t>(local.size())));
+    for (const auto& t : local) tied_registry().put(t, copies);
   }
   ties_.push_back({name, std::move(local), std::move(group)});
 }
@@ -162,14 +173,60 @@ void Pipeline::reduce_tied_gradients() {
   }
 }
 
-torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& micro_batches) {
-  const int m = static_cast<int>(micro_batches.size());
-  ZTRAIN_CHECK(m >= 1, "Pipeline::forward_backward_step: needs at least one micro-batch");
+void Pipeline::check_micro_batches(int m, const char* what) {
+  ZTRAIN_CHECK(m >= 1, "Pipeline::", what, ": needs at least one micro-batch");
   const auto all_m = pp_.all_gather_object(static_cast<int64_t>(m));
   for (size_t r = 0; r < all_m.size(); ++r) {
-    ZTRAIN_CHECK(all_m[r] == m, "Pipeline::forward_backward_step: pipeline rank ", r, " passed ", all_m[r],
+    ZTRAIN_CHECK(all_m[r] == m, "Pipeline::", what, ": pipeline rank ", r, " passed ", all_m[r],
                  " micro-batches and rank ", stage_, " ", m, "; every stage must run the same number");
   }
+}
+
+torch::Tensor Pipeline::mean_loss(const std::vector<torch::Tensor>& losses) {
+  torch::Tensor loss;
+  const bool holds_loss = virtual_stage_of(static_cast<int>(chunks_.size()) - 1) == virtual_stages() - 1;
+  if (holds_loss) loss = torch::stack(losses).to(torch::kFloat64).mean().to(losses[0].scalar_type());
+  if (options_.broadcast_loss) {
+    auto buffer = holds_loss ? loss.to(torch::kFloat64).reshape({1}).contiguous() : torch::zeros({1}, torch::kFloat64);
+    pp_.broadcast(buffer, stages_ - 1);
+    loss = buffer.reshape({}).to(torch::kFloat32);
+    if (holds_loss) loss = loss.to(losses[0].scalar_type());
+  }
+  return loss;
+}
+
+torch::Tensor Pipeline::evaluate(const std::vector<TensorList>& micro_batches) {
+  const int m = static_cast<int>(micro_batches.size());
+  check_micro_batches(m, "evaluate");
+  torch::NoGradGuard no_grad;
+  const int last_virtual = virtual_stages() - 1;
+  auto id_of = [&](int mb, int vs) { return static_cast<int64_t>(mb) * virtual_stages() + vs; };
+  std::vector<torch::Tensor> losses(m);
+  // Micro-batch by micro-batch, chunk by chunk: what (mb, c) waits for was sent at an earlier
+  // (mb, c') on this or the previous rank, and sends do not block, so no rank waits on a later
+  // step of another.
+  for (int mb = 0; mb < m; ++mb) {
+    for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) {
+      const int vs = virtual_stage_of(c);
+      TensorList inputs;
+      if (vs > 0) inputs = boundary_.recv_forward(id_of(mb, vs - 1)).wait().tensors;
+      auto out = chunks_[c]->forward(inputs, micro_batches[mb]);
+      if (vs == last_virtual) {
+        ZTRAIN_CHECK(out.size() == 1 && out[0].defined() && out[0].numel() == 1,
+                     "Pipeline: the last stage must return {loss}, one scalar; got ", out.size(), " tensors");
+        losses[mb] = out[0];
+      } else {
+        boundary_.send_forward(out, id_of(mb, vs));
+      }
+    }
+  }
+  boundary_.synchronize();
+  return mean_loss(losses);
+}
+
+torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& micro_batches, double loss_scale) {
+  const int m = static_cast<int>(micro_batches.size());
+  check_micro_batches(m, "forward_backward_step");
   const auto list = schedule(m);
   const int v = static_cast<int>(chunks_.size());
   const int last_virtual = virtual_stages() - 1;
@@ -236,7 +293,7 @@ torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& mic
       }
       case Op::kBackward: {
         if (vs == last_virtual) {
-          if (outputs[k][0].requires_grad()) (outputs[k][0] / m).backward();
+          if (outputs[k][0].requires_grad()) (outputs[k][0] * (loss_scale / m)).backward();
         } else {
           backward_from(outputs[k], grads[k]);
         }
@@ -254,17 +311,7 @@ torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& mic
   }
   boundary_.synchronize();
   reduce_tied_gradients();
-
-  torch::Tensor loss;
-  const bool holds_loss = virtual_stage_of(v - 1) == last_virtual;
-  if (holds_loss) loss = torch::stack(losses).to(torch::kFloat64).mean().to(losses[0].scalar_type());
-  if (options_.broadcast_loss) {
-    auto buffer = holds_loss ? loss.to(torch::kFloat64).reshape({1}).contiguous() : torch::zeros({1}, torch::kFloat64);
-    pp_.broadcast(buffer, stages_ - 1);
-    loss = buffer.reshape({}).to(torch::kFloat32);
-    if (holds_loss) loss = loss.to(losses[0].scalar_type());
-  }
-  return loss;
+  return mean_loss(losses);
 }
 
 }  // namespace ztrain::pipe

@@ -3,46 +3,15 @@
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
 
-#include <mutex>
-#include <unordered_map>
+#include "../runtime/tensor_attributes.h"
 
 namespace ztrain::tp {
 
 namespace {
 
-using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-
-struct Declared {
-  WeakImpl impl;
-  std::optional<Split> split;  // empty: distinct, but not a slice of one full tensor
-};
-
-/// Keyed by TensorImpl address; an entry counts only while its tensor is alive, so a new
-/// tensor at a reused address does not inherit it.
-class Registry {
- public:
-  void put(const torch::Tensor& t, std::optional<Split> split) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (++puts_ % 256 == 0) {
-      std::erase_if(entries_, [](const auto& kv) { return kv.second.impl.expired(); });
-    }
-    entries_.insert_or_assign(t.unsafeGetTensorImpl(), Declared{WeakImpl(t.getIntrusivePtr()), split});
-  }
-  const Declared* find(const torch::Tensor& t) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = entries_.find(t.unsafeGetTensorImpl());
-    if (it == entries_.end() || it->second.impl.expired()) return nullptr;
-    return &it->second;
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, Declared> entries_;
-  size_t puts_ = 0;
-};
-
-Registry& registry() {
-  static Registry r;
+/// A split, or empty for a tensor distinct across the tp group without being a slice.
+detail::TensorAttributes<std::optional<Split>>& registry() {
+  static detail::TensorAttributes<std::optional<Split>> r;
   return r;
 }
 
@@ -61,12 +30,11 @@ void set_split(const torch::Tensor& param, Split split) {
 }
 
 std::optional<Split> split_of(const torch::Tensor& t) {
-  if (!t.defined()) return std::nullopt;
-  const auto* d = registry().find(t);
-  return d ? d->split : std::nullopt;
+  const auto d = registry().find(t);
+  return d ? *d : std::nullopt;
 }
 
-bool is_tp_distinct(const torch::Tensor& t) { return t.defined() && registry().find(t) != nullptr; }
+bool is_tp_distinct(const torch::Tensor& t) { return registry().find(t).has_value(); }
 
 void mark_tp_distinct(const torch::Tensor& t) { registry().put(t, std::nullopt); }
 

@@ -17,7 +17,8 @@
 /// not advanced). clip_grad_norm() is collective too and counts each gradient element once:
 /// shards of ZeRO levels 1–3 on every dp rank, replicated gradients (level 0, plain parameters)
 /// once per dp group; tensor-parallel slices on every tp rank, parameters replicated over the tp
-/// group once. Without init_distributed everything is local.
+/// group once; a parameter tied across pipeline stages (pipe::Pipeline::tie) once. Without
+/// init_distributed everything is local.
 
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>

@@ -198,8 +198,14 @@ class Pipeline {
   /// Forward and backward of every micro-batch (each a list of tensors, as the stages'
   /// pre/post expect) by the schedule; gradients accumulate into the parameters' .grad, tied
   /// gradients are summed. Returns the mean loss over the micro-batches on the last stage (and
-  /// every rank with broadcast_loss), an undefined tensor elsewhere. Collective.
-  torch::Tensor forward_backward_step(const std::vector<TensorList>& micro_batches);
+  /// every rank with broadcast_loss), an undefined tensor elsewhere. The backward is that of
+  /// the mean loss × `loss_scale` (OptimManager::loss_scale() with a loss scaler, which then
+  /// unscales the gradients as after its own backward). Collective.
+  torch::Tensor forward_backward_step(const std::vector<TensorList>& micro_batches, double loss_scale = 1.0);
+  /// Forward of every micro-batch without gradients (evaluation): each stage runs its
+  /// micro-batches in order as soon as their inputs arrive. Returns the mean loss as
+  /// forward_backward_step does. Collective.
+  torch::Tensor evaluate(const std::vector<TensorList>& micro_batches);
 
   /// What the optimizer updates: every chunk's parameters.
   std::vector<torch::Tensor> parameters() const;
@@ -219,6 +225,11 @@ class Pipeline {
     std::unique_ptr<Communicator> group;  // the pipeline ranks of the owning stages
   };
   void reduce_tied_gradients();
+  /// Checks that every stage passed `m` micro-batches.
+  void check_micro_batches(int m, const char* what);
+  /// The mean of the last stage's per-micro-batch losses, where `losses` are held (and on
+  /// every rank with broadcast_loss).
+  torch::Tensor mean_loss(const std::vector<torch::Tensor>& losses);
 
   std::vector<std::shared_ptr<StageImpl>> chunks_;
   PipelineOptions options_;
@@ -228,5 +239,10 @@ class Pipeline {
   Boundary boundary_;
   std::vector<Tie> ties_;
 };
+
+/// How many pipeline stages hold a copy of `t` declared with Pipeline::tie (1 for any other
+/// tensor). Their gradients are equal after forward_backward_step, so a global gradient norm
+/// counts each copy's square sum 1/copies times (OptimManager does).
+int tied_copies(const torch::Tensor& t);
 
 }  // namespace ztrain::pipe

@@ -10,8 +10,9 @@
 /// Gradient reduce-scatters run on their own stream while backward goes on.
 ///
 /// Blocks are registered as children "0", "1", … so parameter names match a
-/// torch::nn::ModuleList of the same modules. Construction and every call are collective over
-/// the data-parallel group.
+/// torch::nn::ModuleList of the same modules. A list holding layers `first_index` … of a longer
+/// one (a pipeline stage's part) numbers its children from there, so the names are those of
+/// the whole model. Construction and every call are collective over the data-parallel group.
 ///
 ///   ztrain::BlockList<Layer> layers(12, [](int64_t) { return Layer(256); }, {.zero_level = 3});
 ///   auto h = layers(x, mask);
@@ -28,14 +29,19 @@ namespace ztrain {
 template <class M>
 class BlockListImpl : public torch::nn::Module {
  public:
-  /// `n` blocks, block i wrapping `factory(i)`, all with `options`.
-  BlockListImpl(int64_t n, const std::function<M(int64_t)>& factory, BlockOptions options = {}) {
+  /// `n` blocks, block i wrapping `factory(first_index + i)` and named first_index + i, all
+  /// with `options`.
+  BlockListImpl(int64_t n, const std::function<M(int64_t)>& factory, BlockOptions options = {},
+                int64_t first_index = 0)
+      : first_index_(first_index) {
     ZTRAIN_CHECK(n >= 0, "BlockList: the number of blocks must be >= 0, got ", n);
-    for (int64_t i = 0; i < n; ++i) add(Block<M>(factory(i), options));
+    ZTRAIN_CHECK(first_index >= 0, "BlockList: first_index must be >= 0, got ", first_index);
+    for (int64_t i = 0; i < n; ++i) add(Block<M>(factory(first_index + i), options));
     link();
   }
   /// Blocks built by the caller (each with its own options).
-  explicit BlockListImpl(std::vector<Block<M>> blocks) {
+  explicit BlockListImpl(std::vector<Block<M>> blocks, int64_t first_index = 0) : first_index_(first_index) {
+    ZTRAIN_CHECK(first_index >= 0, "BlockList: first_index must be >= 0, got ", first_index);
     for (auto& b : blocks) add(std::move(b));
     link();
   }
@@ -68,7 +74,7 @@ class BlockListImpl : public torch::nn::Module {
     ZTRAIN_CHECK(!block.is_empty(), "BlockList: block ", blocks_.size(), " is empty");
     ZTRAIN_CHECK(seen_.insert(block.get()).second, "BlockList: block ", blocks_.size(),
                  " is the same instance as an earlier block; each position needs its own Block");
-    register_module(std::to_string(blocks_.size()), block.ptr());
+    register_module(std::to_string(first_index_ + static_cast<int64_t>(blocks_.size())), block.ptr());
     blocks_.push_back(std::move(block));
   }
 
@@ -85,6 +91,7 @@ class BlockListImpl : public torch::nn::Module {
     }
   }
 
+  int64_t first_index_ = 0;
   std::vector<Block<M>> blocks_;
   std::unordered_set<const void*> seen_;
 };
@@ -99,10 +106,10 @@ class BlockList : public torch::nn::ModuleHolder<BlockListImpl<M>> {
   auto operator()(Args&&... args) {
     return this->get()->forward(std::forward<Args>(args)...);
   }
-  BlockList(int64_t n, const std::function<M(int64_t)>& factory, BlockOptions options = {})
-      : torch::nn::ModuleHolder<BlockListImpl<M>>(std::make_shared<BlockListImpl<M>>(n, factory, options)) {}
-  explicit BlockList(std::vector<Block<M>> blocks)
-      : torch::nn::ModuleHolder<BlockListImpl<M>>(std::make_shared<BlockListImpl<M>>(std::move(blocks))) {}
+  BlockList(int64_t n, const std::function<M(int64_t)>& factory, BlockOptions options = {}, int64_t first_index = 0)
+      : torch::nn::ModuleHolder<BlockListImpl<M>>(std::make_shared<BlockListImpl<M>>(n, factory, options, first_index)) {}
+  explicit BlockList(std::vector<Block<M>> blocks, int64_t first_index = 0)
+      : torch::nn::ModuleHolder<BlockListImpl<M>>(std::make_shared<BlockListImpl<M>>(std::move(blocks), first_index)) {}
 };
 
 }  // namespace ztrain
