@@ -29,6 +29,7 @@ using zt::gpt_app::ByteCorpus;
 using zt::gpt_app::Sampler;
 using zt::models::Gpt;
 using zt::models::GptConfig;
+using zt::models::GptPipeline;
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
@@ -49,7 +50,8 @@ struct TrainArgs {
   double validation_fraction = 0.05;
   std::string optimizer = "adamw";
   double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0;
-  std::string schedule = "cosine";
+  std::string schedule = "cosine";       // the learning rate's
+  std::string pipe_schedule = "1f1b";
   int64_t warmup = 50;
   int64_t batch = 8, grad_accum = 1, steps = 300;
   std::optional<int64_t> seq;  // not set: the model's context
@@ -61,8 +63,14 @@ struct TrainArgs {
   bool resume = false;
   uint64_t seed = 1234;
   int tp = 1;
+  int pp = 1;
+  std::optional<int64_t> micro_batches;  // with pp: per step (default 2 × pp)
+  int chunks = 2;                        // per rank, with the interleaved schedule
   bool offload = false;
 };
+
+const std::vector<std::string> kLrSchedules{"cosine", "linear", "wsd", "constant"};
+const std::vector<std::string> kPipeSchedules{"gpipe", "1f1b", "interleaved"};
 
 void add_model_options(CLI::App* app, ModelArgs& m) {
   app->add_option("--preset", m.preset, "model preset: tiny, small, medium, gpt2")->capture_default_str();
@@ -189,38 +197,84 @@ std::shared_ptr<zt::LRScheduler> make_schedule(const TrainArgs& a) {
 }
 
 /// Mean validation loss over the first `max_batches` validation batches; every rank evaluates
-/// the same batches (forwards are collective).
-double evaluate(Gpt& model, const ByteCorpus& corpus, int64_t seq, int64_t batch, int64_t max_batches) {
+/// the same batches (forwards are collective). `loss` is the model's loss of one batch.
+double evaluate(torch::nn::Module& model, const std::function<torch::Tensor(const torch::Tensor&)>& loss,
+                const ByteCorpus& corpus, int64_t seq, int64_t batch, int64_t max_batches) {
   torch::NoGradGuard no_grad;
-  model->eval();
+  model.eval();
   double sum = 0;
   int64_t count = 0;
   for (const auto& b : zt::gpt_app::validation_batches(corpus, seq, batch, max_batches)) {
-    sum += model->loss(b).item<double>() * b.size(0);
+    sum += loss(b).item<double>() * b.size(0);
     count += b.size(0);
   }
-  model->train();
+  model.train();
   return sum / std::max<int64_t>(count, 1);
+}
+
+double evaluate(Gpt& model, const ByteCorpus& corpus, int64_t seq, int64_t batch, int64_t max_batches) {
+  return evaluate(*model, [&](const torch::Tensor& b) { return model->loss(b); }, corpus, seq, batch, max_batches);
+}
+
+/// What train runs: Gpt, or GptPipeline with several pipeline stages, behind one interface.
+struct Trainee {
+  std::shared_ptr<torch::nn::Module> module;
+  /// Forward and backward of one step's micro-batches through the manager's loss scaling;
+  /// returns the mean loss (over the micro-batches and dp).
+  std::function<double(const std::vector<torch::Tensor>&, zt::optim::OptimManager&)> step;
+  std::function<torch::Tensor(const torch::Tensor&)> loss;
+};
+
+Trainee make_trainee(const TrainArgs& a, const GptConfig& config) {
+  const zt::BlockOptions blocks{.zero_level = a.model.zero_level, .use_checkpoint = a.model.recompute};
+  if (a.pp == 1) {
+    Gpt model(config, blocks);
+    return {model.ptr(),
+            [model](const std::vector<torch::Tensor>& micro_batches, zt::optim::OptimManager& mgr) mutable {
+              double sum = 0;
+              for (const auto& mb : micro_batches) {
+                auto loss = model->loss(mb) / static_cast<double>(micro_batches.size());
+                mgr.backward(loss);
+                sum += loss.item<double>();
+              }
+              return zt::sum_loss(torch::tensor(sum)).item<double>();
+            },
+            [model](const torch::Tensor& b) mutable { return model->loss(b); }};
+  }
+  const auto kind = zt::pipe::parse_schedule_kind(a.pipe_schedule);
+  GptPipeline model(config, blocks,
+                    {.schedule = kind, .chunks = kind == zt::pipe::ScheduleKind::kInterleaved1F1B ? a.chunks : 1});
+  return {model.ptr(),
+          [model](const std::vector<torch::Tensor>& micro_batches, zt::optim::OptimManager& mgr) mutable {
+            return model->forward_backward_step(micro_batches, mgr.loss_scale()).item<double>();
+          },
+          [model](const torch::Tensor& b) mutable { return model->loss({b}); }};
 }
 
 int train(TrainArgs a) {
   ZTRAIN_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
-  auto& rt = zt::init_distributed({.seed = a.seed, .tp_size = a.tp});
+  ZTRAIN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
+  ZTRAIN_CHECK(a.pp > 1 || !a.micro_batches, "--micro-batches needs --pp > 1 (use --grad-accum without pipeline stages)");
+  ZTRAIN_CHECK(a.pp == 1 || a.grad_accum == 1, "with --pp, a step's micro-batches are --micro-batches, not --grad-accum");
+  auto& rt = zt::init_distributed({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp});
   const int dp = rt.dp().size();
   const auto config = make_config(a.model, a.tp);
   a.seq = a.seq.value_or(config.context);
   ZTRAIN_CHECK(*a.seq <= config.context, "--seq ", *a.seq, " exceeds the model's context ", config.context);
   ZTRAIN_CHECK(a.steps > 0 && a.batch > 0 && a.grad_accum > 0, "--steps, --batch and --grad-accum must be > 0");
+  const int64_t micro_batches = a.pp > 1 ? a.micro_batches.value_or(2 * a.pp) : a.grad_accum;
+  ZTRAIN_CHECK(micro_batches > 0, "--micro-batches must be > 0, got ", micro_batches);
   const auto corpus = ByteCorpus::load(a.data, a.validation_fraction);
   corpus.check_sequence_length(*a.seq);
 
-  Gpt model(config, {.zero_level = a.model.zero_level, .use_checkpoint = a.model.recompute});
-  zt::init_parameters(*model, {.seed = a.seed, .init = zt::models::gpt_init(config)});
-  auto opt = make_optimizer(a, model->parameters());
+  auto trainee = make_trainee(a, config);
+  auto& model = *trainee.module;
+  zt::init_parameters(model, {.seed = a.seed, .init = zt::models::gpt_init(config)});
+  auto opt = make_optimizer(a, model.parameters());
   zt::optim::OptimManager mgr(config.dtype == torch::kFloat16 ? zt::LossScaler::dynamic() : zt::LossScaler::off());
   mgr.add_optimizer(*opt, make_schedule(a));
   Sampler sampler(corpus.train_size(), *a.seq, a.batch, rt.dp().rank(), dp, a.seed);
-  const zt::TrainingState state{*model, *opt, mgr};
+  const zt::TrainingState state{model, *opt, mgr};
   const std::string ckpt_dir = a.ckpt_dir.empty() ? a.out + "/checkpoints" : a.ckpt_dir;
 
   int64_t step = 0;
@@ -237,10 +291,12 @@ int train(TrainArgs a) {
   if (rt.rank() == 0) fs::create_directories(a.out);
   zt::synchronize();
 
-  const int64_t tokens_per_step = a.batch * *a.seq * a.grad_accum * dp;
+  const int64_t tokens_per_step = a.batch * *a.seq * micro_batches * dp;
+  const std::string pipeline =
+      a.pp > 1 ? c10::str(", ", a.pipe_schedule, " pipeline of ", micro_batches, " micro-batches") : std::string();
   zt::print_rank("ztrain-gpt: ", config.num_parameters() / 1e6, " M parameters (", config.n_layer, " x ", config.d_model,
                  ", ", config.n_head, " heads, context ", config.context, ", ", dtype_name(config.dtype), "), ZeRO level ",
-                 a.model.zero_level, a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, ") x ",
+                 a.model.zero_level, a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
                  rt.threads(), " thread(s); ", tokens_per_step, " tokens per step; data ", corpus.source(), " (",
                  corpus.train_size(), " train / ", corpus.validation_size(), " validation bytes)");
 
@@ -255,24 +311,20 @@ int train(TrainArgs a) {
     kill.at("step", step + 1);
     const auto t0 = Clock::now();
     mgr.zero_grad();
-    double loss_sum = 0;
-    for (int64_t micro = 0; micro < a.grad_accum; ++micro) {
-      auto loss = model->loss(sampler.next(corpus)) / static_cast<double>(a.grad_accum);
-      mgr.backward(loss);
-      loss_sum += loss.item<double>();
-    }
+    std::vector<torch::Tensor> batches;
+    for (int64_t micro = 0; micro < micro_batches; ++micro) batches.push_back(sampler.next(corpus));
+    const double loss = trainee.step(batches, mgr);
     const double lr = mgr.current_lr();
     const double norm = a.grad_clip > 0 ? mgr.clip_grad_norm(a.grad_clip) : mgr.grad_norm();
     const bool applied = mgr.step();
-    const double loss = zt::sum_loss(torch::tensor(loss_sum)).item<double>();
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
 
     const zt::gpt_app::StepMetrics m{.loss = loss, .lr = lr, .tokens_per_s = tokens_per_step / dt,
-                                     .mem_bytes = zt::memory_stats(*model).peak_rss_bytes,
+                                     .mem_bytes = zt::memory_stats(model).peak_rss_bytes,
                                      .time_s = std::chrono::duration<double>(Clock::now() - start).count()};
     json extra{{"grad_norm", norm}, {"skipped", !applied}, {"loss_scale", mgr.loss_scale()}};
     if (a.eval_interval > 0 && ((step + 1) % a.eval_interval == 0 || step + 1 == a.steps)) {
-      extra["val_loss"] = evaluate(model, corpus, *a.seq, a.batch, a.eval_batches);
+      extra["val_loss"] = evaluate(model, trainee.loss, corpus, *a.seq, a.batch, a.eval_batches);
       bar.print(c10::str("step ", step + 1, ": validation loss ", extra["val_loss"].get<double>()));
     }
     if (metrics) metrics->write(step + 1, m, extra);
@@ -285,7 +337,7 @@ int train(TrainArgs a) {
     }
   }
   bar.finish();
-  zt::save(*model, a.out + "/model.safetensors", {.metadata = {{"ztrain_gpt_config", config_json(config).dump()}}});
+  zt::save(model, a.out + "/model.safetensors", {.metadata = {{"ztrain_gpt_config", config_json(config).dump()}}});
   zt::print_rank("wrote ", a.out, "/model.safetensors and ", a.out, "/metrics.jsonl");
   return 0;
 }
@@ -375,9 +427,13 @@ int main(int argc, char** argv) {
                       "adam/adamw: run the update on a background thread, overlapping the next forward (AdamOffload)");
   train_cmd->add_option("--lr", t.lr, "peak learning rate")->capture_default_str();
   train_cmd->add_option("--min-lr", t.min_lr, "learning rate at the end of the decay")->capture_default_str();
-  train_cmd->add_option("--schedule", t.schedule, "cosine, linear, wsd or constant (all with warmup)")
-      ->check(CLI::IsMember({"cosine", "linear", "wsd", "constant"}))
-      ->capture_default_str();
+  std::vector<std::string> schedules;
+  auto all_schedules = kLrSchedules;
+  all_schedules.insert(all_schedules.end(), kPipeSchedules.begin(), kPipeSchedules.end());
+  train_cmd->add_option("--schedule", schedules,
+                        "the learning rate's: cosine (default), linear, wsd or constant (all with warmup); and/or the "
+                        "pipeline's with --pp: 1f1b (default), gpipe or interleaved (e.g. --schedule cosine --schedule 1f1b)")
+      ->check(CLI::IsMember(all_schedules));
   train_cmd->add_option("--warmup", t.warmup, "warmup steps")->capture_default_str();
   train_cmd->add_option("--weight-decay", t.weight_decay, "decoupled weight decay")->capture_default_str();
   train_cmd->add_option("--beta1", t.beta1)->capture_default_str();
@@ -398,6 +454,12 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--tp", t.tp, "tensor-parallel size: each model replica is split over this many ranks "
                                       "(the rank count must be a multiple)")
       ->capture_default_str();
+  train_cmd->add_option("--pp", t.pp, "pipeline stages: the blocks are cut into this many stages on consecutive groups "
+                                      "of ranks (the rank count must be a multiple of tp x pp)")
+      ->capture_default_str();
+  train_cmd->add_option("--micro-batches", t.micro_batches,
+                        "with --pp: micro-batches of --batch sequences per step (default 2 x pp)");
+  train_cmd->add_option("--chunks", t.chunks, "with --schedule interleaved: model chunks per rank")->capture_default_str();
 
   std::string model_path, data, input, prompt = "\n", metrics, out = ".";
   double validation_fraction = 0.05, temperature = 0.8;
@@ -426,6 +488,10 @@ int main(int argc, char** argv) {
   plot_cmd->add_option("--out", out, "output directory")->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
+  for (const auto& s : schedules) {
+    const bool lr = std::find(kLrSchedules.begin(), kLrSchedules.end(), s) != kLrSchedules.end();
+    (lr ? t.schedule : t.pipe_schedule) = s;
+  }
   try {
     if (*train_cmd) return train(t);
     if (*eval_cmd) return eval(model_path, data, validation_fraction, seq, batch, eval_batches);

@@ -30,21 +30,29 @@ void save(torch::nn::Module& model, const std::string& path, const SaveOptions& 
 void load(torch::nn::Module& model, const std::string& path, const LoadOptions& options) {
   ckpt::SafetensorsReader reader(path);
   const auto entries = model_entries(model);
-  std::vector<std::string> names, missing;
-  for (const auto& e : entries) {
-    names.push_back(e.name);
-    if (!reader.contains(e.name)) missing.push_back(e.name);
-  }
+  std::vector<std::string> names;
+  for (const auto& e : entries) names.push_back(e.name);
   const auto all_names = options.strict ? detail::names_of_all_stages(names) : names;  // pipeline stages: the whole model's
-  const std::set<std::string> expected(all_names.begin(), all_names.end());
-  ZTRAIN_CHECK(missing.empty(), "load: '", path, "' has no tensor '", missing.front(), "' (", missing.size(),
-               " of the model's parameters are missing)");
-  if (options.strict) {
-    for (const auto& info : reader.entries()) {
-      ZTRAIN_CHECK(expected.count(info.name), "load: '", path, "' holds '", info.name,
-                   "', which the model does not have (LoadOptions{.strict = false} ignores it)");
+  std::string error;
+  try {
+    std::vector<std::string> missing;
+    for (const auto& name : names) {
+      if (!reader.contains(name)) missing.push_back(name);
     }
+    ZTRAIN_CHECK(missing.empty(), "load: '", path, "' has no tensor '", missing.front(), "' (", missing.size(),
+                 " of the model's parameters are missing)");
+    if (options.strict) {
+      const std::set<std::string> expected(all_names.begin(), all_names.end());
+      for (const auto& info : reader.entries()) {
+        ZTRAIN_CHECK(expected.count(info.name), "load: '", path, "' holds '", info.name,
+                     "', which the model does not have (LoadOptions{.strict = false} ignores it)");
+      }
+    }
+    for (const auto& e : entries) detail::check_entry(reader, e);
+  } catch (const std::exception& e) {
+    error = e.what();
   }
+  detail::throw_if_any_failed(error);  // every rank, so none waits in a collective for one that failed
   for (const auto& e : entries) detail::read_sharded(reader, e);
 }
 

@@ -293,11 +293,26 @@ void write_sharded(const std::string& path, const std::vector<ShardedEntry>& ent
   world.barrier();  // the file is published when save returns on any rank
 }
 
-void read_sharded(const ckpt::SafetensorsReader& reader, const ShardedEntry& e) {
+void check_entry(const ckpt::SafetensorsReader& reader, const ShardedEntry& e) {
   ZTRAIN_CHECK(reader.contains(e.name), "load: '", reader.path(), "' has no tensor '", e.name, "'");
   const auto& info = reader.info(e.name);
   ZTRAIN_CHECK(info.shape == e.shape, "load: '", e.name, "' in '", reader.path(), "' has shape ",
                c10::IntArrayRef(info.shape), ", the model's ", c10::IntArrayRef(e.shape));
+}
+
+void throw_if_any_failed(const std::string& error) {
+  if (!is_initialized()) {
+    ZTRAIN_CHECK(error.empty(), error);
+    return;
+  }
+  const auto all = runtime().world().all_gather_bytes(error);
+  for (size_t r = 0; r < all.size(); ++r) {
+    ZTRAIN_CHECK(all[r].empty(), all[r], static_cast<int>(r) == runtime().rank() ? "" : c10::str(" (on rank ", r, ")"));
+  }
+}
+
+void read_sharded(const ckpt::SafetensorsReader& reader, const ShardedEntry& e) {
+  check_entry(reader, e);
   torch::NoGradGuard no_grad;
   torch::Tensor slice;  // a tensor-parallel entry: this tp rank's slice, flat
   if (e.split) slice = tp::slice(reader.read(e.name), *e.split, tp::group_rank(), tp::group_size()).view(-1);

@@ -67,6 +67,13 @@ void write_sharded(const std::string& path, const std::vector<ShardedEntry>& ent
 /// `names` without a runtime).
 std::vector<std::string> names_of_all_stages(const std::vector<std::string>& names);
 
+/// Throws ztrain::Error when the file lacks entry `e` or holds it with another shape.
+void check_entry(const ckpt::SafetensorsReader& reader, const ShardedEntry& e);
+
+/// Collective over the runtime's world: throws ztrain::Error, on every rank, with the first
+/// failing rank's `error` when any rank's is not empty (just `error` without a runtime).
+void throw_if_any_failed(const std::string& error);
+
 /// Fills `e.source` from the file: the elements this rank holds (padding untouched). Converts
 /// dtypes. Throws ztrain::Error naming the entry and the file on a missing entry or a shape
 /// mismatch.

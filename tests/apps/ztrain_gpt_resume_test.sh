@@ -6,6 +6,8 @@
 #    from the last complete checkpoint and the losses equal an uninterrupted run bit for bit;
 #  - a checkpoint from 4 ranks resumes on 2;
 #  - tensor parallelism: tp=2 gives the 1-rank losses, and its checkpoint resumes at tp=1;
+#  - pipeline parallelism: pp=2 gives the 1-rank losses, and its checkpoint resumes at pp=1 and
+#    at pp=4 with the interleaved schedule;
 #  - bad input fails clearly and leaves earlier checkpoints usable.
 set -uo pipefail
 gpt=$1 mpirun=$2 corpus=$3 work=$4
@@ -80,6 +82,18 @@ quiet "$gpt" train "${common[@]}" "${ck[@]}" --batch 8 --steps 50 --out "$work/t
 grep -q "resumed from .*step-00000030" "$work/last.log" || fail "did not resume the tp=2 checkpoint"
 compare "$work/tp1/metrics.jsonl" "$work/tp2/metrics.jsonl" 31 50 1e-5 || fail "tp=1 continuation differs from the tp=2 run"
 
+# Pipeline parallelism: 2 stages, 4 micro-batches of 2 (global batch 8) follow the 1-rank run;
+# the step-30 checkpoint resumes on 1 rank, and on 4 stages with the interleaved schedule.
+quiet "${mp[@]}" -np 2 "$gpt" train "${common[@]}" "${ck[@]}" --pp 2 --micro-batches 4 --batch 2 --steps 50 --out "$work/pp2" || fail "pp=2 run failed"
+compare "$work/pp2/metrics.jsonl" "$work/np1/metrics.jsonl" 1 50 1e-5 || fail "pp=2 differs from 1 rank"
+mkdir -p "$work/pp1/checkpoints" && cp -r "$work/pp2/checkpoints/step-00000030" "$work/pp1/checkpoints/"
+quiet "$gpt" train "${common[@]}" "${ck[@]}" --batch 2 --grad-accum 4 --steps 50 --out "$work/pp1" --resume || fail "pp=1 resume failed"
+grep -q "resumed from .*step-00000030" "$work/last.log" || fail "did not resume the pp=2 checkpoint"
+compare "$work/pp1/metrics.jsonl" "$work/pp2/metrics.jsonl" 31 50 1e-5 || fail "pp=1 continuation differs from the pp=2 run"
+mkdir -p "$work/pp4/checkpoints" && cp -r "$work/pp2/checkpoints/step-00000030" "$work/pp4/checkpoints/"
+quiet "${mp[@]}" -np 4 "$gpt" train "${common[@]}" "${ck[@]}" --pp 4 --micro-batches 4 --batch 2 --schedule interleaved --steps 50 --out "$work/pp4" --resume || fail "pp=4 resume failed"
+compare "$work/pp4/metrics.jsonl" "$work/pp2/metrics.jsonl" 31 50 1e-5 || fail "pp=4 continuation differs from the pp=2 run"
+
 # Bad input: clear errors, checkpoints untouched.
 expect_error() {  # expect_error PATTERN command...
   local pattern=$1; shift
@@ -91,8 +105,12 @@ expect_error "empty" "$gpt" train --data "$work/empty.txt" --preset tiny --steps
 expect_error "exceeds the model's context 64" "$gpt" train --data "$work/corpus.txt" --preset tiny --seq 65 --steps 1 --out "$work/bad"
 expect_error "n_head (2) is not divisible by the tensor-parallel size (4)" "${mp[@]}" -np 4 "$gpt" train --data "$work/corpus.txt" --preset tiny --tp 4 --steps 1 --out "$work/bad"
 expect_error "does not divide the world size 3" "${mp[@]}" -np 3 "$gpt" train --data "$work/corpus.txt" --preset tiny --tp 2 --steps 1 --out "$work/bad"
+expect_error "needs --pp > 1" "$gpt" train --data "$work/corpus.txt" --preset tiny --micro-batches 4 --steps 1 --out "$work/bad"
+expect_error "does not divide the world size 3" "${mp[@]}" -np 3 "$gpt" train --data "$work/corpus.txt" --preset tiny --pp 2 --steps 1 --out "$work/bad"
 expect_error "unknown GPT preset 'huge'" "$gpt" train --data "$work/corpus.txt" --preset huge --steps 1 --out "$work/bad"
 expect_error "shape" "$gpt" train "${common[@]}" "${ck[@]}" --d-model 32 --heads 2 --batch 8 --steps 40 --out "$work/ref" --resume
+# A checkpoint without some stage's layers fails on every stage (not only the one missing them).
+expect_error "has no tensor 'transformer.h.2" "${mp[@]}" -np 2 "$gpt" train "${common[@]}" "${ck[@]}" --pp 2 --micro-batches 2 --batch 4 --layers 4 --steps 40 --out "$work/ref" --resume
 before=$(ls "$work/ref/checkpoints")
 printf 'x' | dd of="$work/ref/checkpoints/step-00000030/model.safetensors" bs=1 seek=100 conv=notrunc status=none
 expect_error "step-00000030/model.safetensors' is corrupt" "$gpt" train "${common[@]}" "${ck[@]}" --batch 8 --steps 40 --out "$work/ref" --resume
