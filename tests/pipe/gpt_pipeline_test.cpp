@@ -11,6 +11,7 @@
 //   GptPipe.FileFromPp2Loads     Gpt on 1 rank and GptPipeline at pp = 4: identical full
 //                                tensors, the same loss, and a pp = 4 save equal to the file
 
+#include "gpt_trajectory.h"
 #include "test_util.h"
 
 #include <ztrain/ztrain.h>
@@ -49,21 +50,11 @@ class PipelineEnvironment : public ::testing::Environment {
 };
 [[maybe_unused]] const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new PipelineEnvironment);
 
-/// Step `step`'s tokens of this dp rank: counting sequences from random starts, the global
-/// batch split evenly over dp.
-torch::Tensor batch(int step) {
-  const int dp = runtime().dp().size(), r = runtime().dp().rank();
-  auto starts = torch::randint(kConfig.vocab_size, {kGlobalBatch, 1}, at::detail::createCPUGenerator(100 + step), torch::kLong);
-  auto noise = torch::randint(3, {kGlobalBatch, 13}, at::detail::createCPUGenerator(200 + step), torch::kLong);
-  auto tokens = (starts + torch::arange(13) + noise) % kConfig.vocab_size;
-  const int64_t per = kGlobalBatch / dp;
-  return tokens.slice(0, per * r, per * (r + 1));
-}
+torch::Tensor batch(int step) { return counting_batch(step, kGlobalBatch, kConfig.vocab_size); }
 
 std::vector<torch::Tensor> micro_batches(int step) { return batch(step).chunk(kMicroBatches); }
 
-struct Trajectory {
-  std::vector<double> losses, norms;
+struct Trajectory : LossTrajectory {
   torch::Tensor first_wte_grad;  // the tied weight's gradient after step 0's backward
 };
 
@@ -121,23 +112,12 @@ TEST(GptPipe, Reference) {
       },
       [&] { return model->transformer->wte->parameters()[0].grad().detach().clone(); });
   EXPECT_LT(t.losses.back(), t.losses.front() - 0.5);  // it learns
-  std::ofstream f(dir() + "/reference.txt");
-  f.precision(17);
-  for (int i = 0; i < kSteps; ++i) f << t.losses[i] << ' ' << t.norms[i] << '\n';
+  write_trajectory(dir() + "/reference.txt", t);
   save(*model, dir() + "/reference.safetensors");
   ckpt::save_safetensors(dir() + "/reference_wte_grad.safetensors", {{"grad", t.first_wte_grad.reshape(-1)}});
 }
 
-Trajectory reference() {
-  std::ifstream f(dir() + "/reference.txt");
-  Trajectory t;
-  double l, n;
-  while (f >> l >> n) {
-    t.losses.push_back(l);
-    t.norms.push_back(n);
-  }
-  return t;
-}
+LossTrajectory reference() { return read_trajectory(dir() + "/reference.txt"); }
 
 TEST(GptPipe, MatchesSingleProcess) {
   ASSERT_FALSE(dir().empty()) << "set ZTRAIN_PP_DIR";

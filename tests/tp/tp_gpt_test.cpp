@@ -7,6 +7,7 @@
 //                              a model file
 //   TpGpt.FileFromTp2Loads     1 rank and tp=4: the tp=2 file gives identical full tensors
 
+#include "gpt_trajectory.h"
 #include "tp_environment.h"
 
 #include <filesystem>
@@ -29,28 +30,16 @@ std::string dir() {
   return d ? d : "";
 }
 
-/// Step `step`'s tokens of this dp rank: counting sequences from random starts, the global
-/// batch split evenly over dp.
-torch::Tensor batch(int step) {
-  const int dp = runtime().dp().size(), r = runtime().dp().rank();
-  auto starts = torch::randint(kConfig.vocab_size, {kGlobalBatch, 1}, at::detail::createCPUGenerator(100 + step), torch::kLong);
-  auto noise = torch::randint(3, {kGlobalBatch, 13}, at::detail::createCPUGenerator(200 + step), torch::kLong);
-  auto tokens = (starts + torch::arange(13) + noise) % kConfig.vocab_size;
-  const int64_t per = kGlobalBatch / dp;
-  return tokens.slice(0, per * r, per * (r + 1));
-}
+torch::Tensor batch(int step) { return counting_batch(step, kGlobalBatch, kConfig.vocab_size); }
 
-struct Trajectory {
-  std::vector<double> losses, norms;
-};
 
 /// Trains `model` kSteps with SGD + momentum and gradient clipping (active from the first
 /// step, so the norm over split and replicated parameters matters).
-Trajectory train(Gpt& model) {
+LossTrajectory train(Gpt& model) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
   optim::OptimManager mgr;
   mgr.add_optimizer(opt);
-  Trajectory t;
+  LossTrajectory t;
   for (int step = 0; step < kSteps; ++step) {
     mgr.zero_grad();
     auto loss = model->loss(batch(step));
@@ -75,22 +64,11 @@ TEST(TpGpt, Reference) {
   auto model = fresh_model(0, false);
   const auto t = train(model);
   EXPECT_LT(t.losses.back(), t.losses.front() - 0.5);  // it learns
-  std::ofstream f(dir() + "/reference.txt");
-  f.precision(17);
-  for (int i = 0; i < kSteps; ++i) f << t.losses[i] << ' ' << t.norms[i] << '\n';
+  write_trajectory(dir() + "/reference.txt", t);
   save(*model, dir() + "/reference.safetensors");
 }
 
-Trajectory reference() {
-  std::ifstream f(dir() + "/reference.txt");
-  Trajectory t;
-  double l, n;
-  while (f >> l >> n) {
-    t.losses.push_back(l);
-    t.norms.push_back(n);
-  }
-  return t;
-}
+LossTrajectory reference() { return read_trajectory(dir() + "/reference.txt"); }
 
 TEST(TpGpt, MatchesSingleProcess) {
   ASSERT_FALSE(dir().empty()) << "set ZTRAIN_TP_DIR";
