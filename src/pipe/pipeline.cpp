@@ -214,7 +214,7 @@ torch::Tensor Pipeline::evaluate(const std::vector<TensorList>& micro_batches) {
       if (vs == last_virtual) {
         ZTRAIN_CHECK(out.size() == 1 && out[0].defined() && out[0].numel() == 1,
                      "Pipeline: the last stage must return {loss}, one scalar; got ", out.size(), " tensors");
-        losses[mb] = out[0];
+        losses[mb] = out[0].clone();  // not a view keeping its base alive (see forward_backward_step)
       } else {
         boundary_.send_forward(out, id_of(mb, vs));
       }
@@ -276,7 +276,9 @@ torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& mic
                            c10::isFloatingType(out[0].scalar_type()),
                        "Pipeline: the last stage must return {loss}, one floating-point scalar; got ", out.size(),
                        " tensors");
-          losses[mb] = out[0].detach();
+          // A copy: a scalar loss may share a larger storage (libtorch's mse_loss returns a
+          // 0-dim tensor over its per-element buffer), which would stay alive to the step's end.
+          losses[mb] = out[0].detach().clone();
         }
         outputs[k] = std::move(out);
         break;
