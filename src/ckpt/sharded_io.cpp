@@ -7,7 +7,6 @@
 #include <sys/stat.h>
 
 #include <sstream>
-
 #include <unordered_map>
 
 namespace ztrain::detail {

@@ -14,7 +14,8 @@
 /// whole model, so model files and optimizer-state files written from any pipeline size load
 /// at any other, and into Gpt: the stages write the union of their parameters (the tied
 /// weight once). init_parameters draws each parameter from its name, so the weights are those
-/// of Gpt for the same seed.
+/// of Gpt for the same seed. (With dropout, the masks are not Gpt's: each stage draws from
+/// its own generator.)
 ///
 /// A training step is one call: forward_backward_step runs the step's micro-batches through
 /// the schedule and returns their mean loss on every rank; the optimizer then steps as usual
