@@ -11,6 +11,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
   python3-torch                # PyTorch golden values and peer benchmarks (never at run time)
+  python3-matplotlib           # the plots of bench/run_all.sh
 )
 
 missing=()

@@ -1,5 +1,6 @@
 #include <ztrain/zero/memory.h>
 
+#include <ztrain/optim/adam.h>
 #include <ztrain/zero/sharded_module.h>
 
 #include <sys/resource.h>
@@ -29,6 +30,13 @@ void count(torch::nn::Module& module, MemoryStats& m) {
 
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
   int64_t bytes = 0;
+  if (const auto* ours = dynamic_cast<const optim::AdamW*>(&optimizer)) {  // its state lives outside state()
+    for (const auto& group : ours->param_groups()) {
+      for (const auto& p : group.params()) {
+        if (const auto* s = ours->state_of(p)) bytes += bytes_of(s->exp_avg) + bytes_of(s->exp_avg_sq) + bytes_of(s->master);
+      }
+    }
+  }
   for (const auto& [key, state] : optimizer.state()) {
     const auto* s = state.get();
     if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s)) {

@@ -4,6 +4,8 @@
 #include "test_util.h"
 #include "zero_model.h"
 
+#include <ztrain/optim/adam.h>
+
 namespace ztrain::test {
 namespace {
 
@@ -78,6 +80,19 @@ TEST(MemoryStats, ParameterAndGradientBytesFollowTheLevel) {
 TEST(MemoryStats, OptimizerStateIsCounted) {
   ZeroModel model(ModelConfig{}, BlockOptions{.zero_level = 3}, 3);
   torch::optim::Adam opt(model->parameters(), 0.1);
+  auto tokens = batch_tokens(0, 2, 6, 32);
+  lm_loss(model(tokens), tokens).backward();
+  opt.step();
+  int64_t shard_bytes = 0;
+  for (const auto& p : model->parameters()) shard_bytes += p.nbytes();
+  EXPECT_EQ(memory_stats(*model, &opt).optimizer_bytes, 2 * shard_bytes);
+}
+
+TEST(MemoryStats, ZtrainAdamStateIsCounted) {
+  // ztrain's AdamW keeps its state outside torch's state(): two moments (and an fp32 master
+  // for low-precision parameters, none here).
+  ZeroModel model(ModelConfig{}, BlockOptions{.zero_level = 3}, 3);
+  optim::AdamW opt(model->parameters(), optim::AdamOptions(0.1));
   auto tokens = batch_tokens(0, 2, 6, 32);
   lm_loss(model(tokens), tokens).backward();
   opt.step();

@@ -1,0 +1,394 @@
+// gpt_bench: one GPT training configuration, measured. Tokens/s, time per phase, model-state
+// bytes per rank against the ZeRO formula, bytes sent per step against theory, and model FLOP/s
+// against a matmul peak measured in the same run. Rank 0 prints one JSON object per run.
+//
+//   mpirun -np 2 --bind-to none build/bench/gpt_bench --preset small --level 3 --dtype bf16
+//   (options: --data data/tinyshakespeare.txt --json results.jsonl --probe --profile trace.json)
+//   build/bench/gpt_bench --system plain ...        # the same model in plain libtorch modules
+//
+// What runs
+// ---------
+// `--system ztrain`: ztrain::models::Gpt at the given ZeRO level (no recomputation), ztrain's
+// fused AdamW (fp32 master weights and moments for bf16), as ztrain-gpt trains it.
+// `--system plain`: the same GPT built from plain libtorch modules (the model's own GptBlock
+// layers, torch::nn::Embedding, torch::nn::LayerNorm), the same initialisation (init_parameters
+// draws by parameter name, so both get bit-identical weights), the same fused AdamW, and no
+// ztrain engine and no communication: under mpirun every rank trains its own replica, so the
+// figure is the data-parallel ceiling of the machine's cores (no gradient exchange at all).
+//
+// A step: gradients dropped (set to none), forward and loss, backward, optimizer step. Batches
+// come from --data (byte tokens), rank r of n taking windows (step·n + r)·batch + i. Each step
+// starts at a world barrier and its time is the max over ranks; tokens/s is the global batch
+// over the median step time after --warmup steps (the count comes from rank 0). The loss,
+// averaged over ranks, is read after the timer.
+//
+// Bytes sent are counted in MPI (bench/mpi_traffic.h) from the first timed step to the last:
+// the ZeRO engine's two stream communicators (gathers, reductions; duplicated in that order
+// when the model is built) apart from the runtime's own (the benchmark's barriers and loss).
+// Model-state bytes are taken after the last backward, before its optimizer step: parameters,
+// gradients and optimizer state all exist then.
+#include "mpi_traffic.h"
+
+#include <ztrain/ztrain.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/profiler_legacy.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+
+namespace {
+
+namespace zt = ztrain;
+using zt::models::GptConfig;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct Spread {
+  double median = 0, p10 = 0, p90 = 0;
+};
+
+Spread spread(std::vector<double> v) {
+  if (v.empty()) return {};
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) { return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))]; };
+  return {at(0.5), at(0.1), at(0.9)};
+}
+
+json to_json(const Spread& s) { return {{"median", s.median}, {"p10", s.p10}, {"p90", s.p90}}; }
+
+// ---- the plain libtorch model ------------------------------------------------------------------
+
+struct PlainTransformerImpl : torch::nn::Module {
+  explicit PlainTransformerImpl(const GptConfig& c)
+      : wte(c.vocab_size, c.d_model), wpe(c.context, c.d_model),
+        ln_f(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)) {
+    register_module("wte", wte);
+    register_module("wpe", wpe);
+    for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(zt::models::GptBlock(c));
+    register_module("h", h);
+    register_module("ln_f", ln_f);
+  }
+  torch::nn::Embedding wte, wpe;
+  torch::nn::ModuleList h;
+  torch::nn::LayerNorm ln_f;
+};
+TORCH_MODULE(PlainTransformer);
+
+/// The GPT of models/gpt.h without ztrain's engine: same parameter names, same arithmetic.
+struct PlainGptImpl : torch::nn::Module {
+  explicit PlainGptImpl(const GptConfig& c) : transformer(c) {
+    register_module("transformer", transformer);
+    to(c.dtype);
+  }
+  torch::Tensor loss(const torch::Tensor& tokens) {
+    auto inputs = tokens.slice(1, 0, -1);
+    auto& tr = *transformer;
+    auto x = tr.wte(inputs) + tr.wpe(torch::arange(inputs.size(1), torch::kLong));
+    for (const auto& block : *tr.h) x = block->as<zt::models::GptBlock>()->forward(x);
+    auto logits = torch::matmul(tr.ln_f(x), tr.wte->weight.t());
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
+                                                tokens.slice(1, 1).reshape(-1));
+  }
+  PlainTransformer transformer;
+};
+TORCH_MODULE(PlainGpt);
+
+// ---- measurements ------------------------------------------------------------------------------
+
+/// GFLOP/s of an [m, k] × [k, n] matmul in `dtype` on this thread count: the best of a few
+/// repetitions (at least `min_s` seconds of them).
+double matmul_gflops(int64_t m, int64_t k, int64_t n, c10::ScalarType dtype, double min_s = 0.15) {
+  auto a = torch::randn({m, k}).to(dtype), b = torch::randn({k, n}).to(dtype);
+  torch::mm(a, b);  // warm-up (and oneDNN's kernel generation)
+  double best = 0, total = 0;
+  for (int rep = 0; rep < 50 && (rep < 3 || total < min_s); ++rep) {
+    const auto t0 = Clock::now();
+    auto c = torch::mm(a, b);
+    const double dt = seconds_since(t0);
+    total += dt;
+    best = std::max(best, 2.0 * m * k * n / dt / 1e9);
+  }
+  return best;
+}
+
+/// The matmul peak of this rank (all ranks measure at once, as they train): the best square
+/// size, and the model's largest matmul shape (tokens × d → 4d).
+json matmul_probe(zt::Communicator& world, int64_t tokens, int64_t d) {
+  json out;
+  for (auto [name, dtype] : {std::pair<const char*, c10::ScalarType>{"fp32", torch::kFloat32}, {"bf16", torch::kBFloat16}}) {
+    double square = 0;
+    for (int64_t n : {512, 1024, 2048}) {
+      world.barrier();
+      square = std::max(square, matmul_gflops(n, n, n, dtype));
+    }
+    world.barrier();
+    const double shaped = matmul_gflops(tokens, d, 4 * d, dtype);
+    out[name] = {{"peak_gflops", world.all_reduce_scalar(square, zt::ReduceOp::kMin)},
+                 {"model_shape_gflops", world.all_reduce_scalar(shaped, zt::ReduceOp::kMin)}};
+  }
+  return out;
+}
+
+/// Bytes per parameter of each model-state category, for the ZeRO formula.
+struct StateBytes {
+  double param, grad, optim;
+};
+
+StateBytes state_bytes(c10::ScalarType dtype) {
+  if (dtype == torch::kFloat32) return {4, 4, 8};  // weights, gradients, Adam's two moments
+  return {2, 2, 12};                               // + an fp32 master copy in the optimizer
+}
+
+/// Model-state bytes per rank by formula, per category. `paper`: the ZeRO paper's stages (level 1
+/// shards the optimizer state, 2 also the gradients, 3 also the parameters). `design`: what
+/// ztrain's levels keep between steps (DESIGN.md §5, zero/sharded_module.h): gradients are
+/// reduce-scattered from level 1 on, parameters stay sharded from level 2 on (level 2 gathers
+/// them once per step and keeps them from forward to backward, level 3 twice).
+json zero_formula(int64_t psi, c10::ScalarType dtype, int level, int n) {
+  const auto k = state_bytes(dtype);
+  auto formula = [&](int shard_optim_from, int shard_grad_from, int shard_param_from) {
+    const double p = k.param * psi / (level >= shard_param_from ? n : 1),
+                 g = k.grad * psi / (level >= shard_grad_from ? n : 1),
+                 o = k.optim * psi / (level >= shard_optim_from ? n : 1);
+    return json{{"parameter", p}, {"gradient", g}, {"optimizer", o}, {"model_state", p + g + o}};
+  };
+  return {{"paper", formula(1, 2, 3)}, {"design", formula(1, 1, 2)}};
+}
+
+/// Batches of byte tokens [batch, seq + 1] from a text file.
+class Batches {
+ public:
+  Batches(const std::string& path, int64_t seq, int64_t batch, int rank, int ranks)
+      : seq_(seq), batch_(batch), rank_(rank), ranks_(ranks) {
+    std::ifstream in(path, std::ios::binary);
+    ZTRAIN_CHECK(in, "gpt_bench: cannot read --data ", path);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ZTRAIN_CHECK(static_cast<int64_t>(bytes.size()) > 2 * (seq + 1), "gpt_bench: ", path, " holds ", bytes.size(),
+                 " bytes, too few for sequences of ", seq + 1);
+    data_ = torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8).to(torch::kLong);
+    windows_ = data_.numel() / (seq + 1);
+  }
+  torch::Tensor at(int64_t step) const {
+    std::vector<torch::Tensor> rows;
+    for (int64_t i = 0; i < batch_; ++i) {
+      const int64_t w = ((step * ranks_ + rank_) * batch_ + i) % windows_;
+      rows.push_back(data_.slice(0, w * (seq_ + 1), (w + 1) * (seq_ + 1)));
+    }
+    return torch::stack(rows);
+  }
+
+ private:
+  int64_t seq_, batch_;
+  int rank_, ranks_;
+  torch::Tensor data_;
+  int64_t windows_ = 0;
+};
+
+struct Args {
+  std::string system = "ztrain";
+  std::string preset = "small";
+  std::optional<int64_t> d_model, layers, heads, context;
+  std::string dtype = "fp32";
+  int level = 0;
+  int64_t batch = 4;
+  std::optional<int64_t> seq;
+  int steps = 10, warmup = 3;
+  std::string data = "data/tinyshakespeare.txt";
+  std::string json_path, profile_path, tag;
+  bool probe = false;
+};
+
+int run(const Args& a) {
+  auto& rt = zt::init_distributed({.seed = 1234});
+  auto& world = rt.world();
+  ZTRAIN_CHECK(a.system == "ztrain" || a.system == "plain", "--system must be ztrain or plain, got ", a.system);
+  ZTRAIN_CHECK(a.level >= 0 && a.level <= 3, "--level must be 0..3, got ", a.level);
+  ZTRAIN_CHECK(a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be fp32 or bf16, got ", a.dtype);
+  const int steps = world.broadcast_object(a.steps, 0), warmup = world.broadcast_object(a.warmup, 0);
+  ZTRAIN_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
+
+  auto config = GptConfig::preset(a.preset);
+  if (a.d_model) config.d_model = *a.d_model;
+  if (a.layers) config.n_layer = *a.layers;
+  if (a.heads) config.n_head = *a.heads;
+  if (a.context) config.context = *a.context;
+  config.dtype = a.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  const int64_t seq = a.seq.value_or(config.context);
+  ZTRAIN_CHECK(seq >= 1 && seq <= config.context, "--seq must be in [1, context = ", config.context, "], got ", seq);
+  const int n = rt.world_size();
+  const bool plain = a.system == "plain";
+  const Batches batches(a.data, seq, a.batch, rt.rank(), n);
+
+  const json probe = a.probe ? matmul_probe(world, a.batch * seq, config.d_model) : json();
+  const auto before = zt::memory_stats(*torch::nn::Sequential());
+  const auto dups_before = bench::duplicated_communicators().size();
+
+  // The model, its initialisation and the optimizer.
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> loss_of;
+  if (plain) {
+    PlainGpt m(config);
+    loss_of = [m](const torch::Tensor& t) mutable { return m->loss(t); };
+    module = m.ptr();
+  } else {
+    zt::models::Gpt m(config, {.zero_level = a.level, .use_checkpoint = false});
+    loss_of = [m](const torch::Tensor& t) mutable { return m->loss(t); };
+    module = m.ptr();
+  }
+  zt::init_parameters(*module, {.seed = 1234, .init = zt::models::gpt_init(config)});
+  zt::optim::AdamW opt(module->parameters(), zt::optim::AdamOptions(1e-3).betas({0.9, 0.95}).weight_decay(0.1));
+  const auto dups = bench::duplicated_communicators();
+  const std::vector<MPI_Comm> streams(dups.begin() + static_cast<std::ptrdiff_t>(dups_before), dups.end());
+  ZTRAIN_CHECK(plain || streams.size() == 2, "gpt_bench: expected the ZeRO engine to duplicate 2 communicators (gather, ",
+               "reduce) when the model was built, saw ", streams.size(), "; update the attribution in gpt_bench.cpp");
+  const int64_t psi = config.num_parameters();
+  int64_t counted = 0;
+  for (const auto& ref : zt::named_parameter_refs(*module)) {
+    int64_t numel = 1;
+    for (auto d : ref.full_shape()) numel *= d;
+    counted += numel;
+  }
+  ZTRAIN_CHECK(counted == psi, "gpt_bench: the model has ", counted, " parameters, GptConfig says ", psi);
+
+  // Training steps.
+  std::vector<double> step_s, forward_s, backward_s, optimizer_s;
+  double first_loss = 0, last_loss = 0;
+  zt::MemoryStats held;
+  auto train_step = [&](int64_t step, bool last) {
+    const auto tokens = batches.at(step);
+    world.barrier();
+    const auto t0 = Clock::now();
+    for (auto& p : module->parameters()) p.mutable_grad().reset();
+    auto loss = loss_of(tokens);
+    const auto t1 = Clock::now();
+    loss.backward();
+    const auto t2 = Clock::now();
+    Clock::duration untimed{0};
+    if (last) {
+      held = zt::memory_stats(*module, &opt);
+      untimed = Clock::now() - t2;
+    }
+    opt.step();
+    const auto t3 = Clock::now() - untimed;
+    const double dt = world.all_reduce_scalar(std::chrono::duration<double>(t3 - t0).count(), zt::ReduceOp::kMax);
+    const double mean_loss = world.all_reduce_scalar(loss.item<double>(), zt::ReduceOp::kSum) / n;
+    return std::make_tuple(dt, mean_loss, std::chrono::duration<double>(t1 - t0).count(),
+                           std::chrono::duration<double>(t2 - t1).count(), std::chrono::duration<double>(t3 - t2).count());
+  };
+  for (int64_t step = 0; step < warmup + steps; ++step) {
+    if (step == warmup) bench::traffic_reset();
+    const auto [dt, loss, f, b, o] = train_step(step, step + 1 == warmup + steps);
+    if (step == 0) first_loss = loss;
+    last_loss = loss;
+    if (step >= warmup) {
+      step_s.push_back(dt);
+      forward_s.push_back(f);
+      backward_s.push_back(b);
+      optimizer_s.push_back(o);
+    }
+  }
+  const auto traffic = bench::traffic();
+  if (!a.profile_path.empty()) {  // one more step, profiled on rank 0
+    std::optional<torch::autograd::profiler::RecordProfile> recording;
+    if (rt.rank() == 0) recording.emplace(a.profile_path);
+    train_step(warmup + steps, false);
+  }
+
+  // Bytes sent per step by this rank, by communicator kind.
+  json comm = {{"gather", 0}, {"reduce", 0}, {"runtime", 0}, {"native", 0}};
+  for (const auto& [c, t] : traffic) {
+    const bool gather = !streams.empty() && c == streams[0], reduce = streams.size() > 1 && c == streams[1];
+    const char* kind = gather ? "gather" : reduce ? "reduce" : "runtime";
+    comm[kind] = comm[kind].get<double>() + static_cast<double>(t.sent_bytes()) / steps;
+    if (gather || reduce) comm["native"] = comm["native"].get<double>() + static_cast<double>(t.native_bytes) / steps;
+  }
+  // The max over ranks of every byte count (ranks hold and send equal amounts up to padding).
+  auto max_over_ranks = [&](double v) { return world.all_reduce_scalar(v, zt::ReduceOp::kMax); };
+  for (auto& [k, v] : comm.items()) v = max_over_ranks(v.get<double>());
+  json memory = {{"parameter", held.parameter_bytes}, {"gathered", held.gathered_bytes},
+                 {"gradient", held.gradient_bytes},   {"optimizer", held.optimizer_bytes},
+                 {"model_state", held.model_state_bytes()}, {"peak_rss", zt::memory_stats(*module).peak_rss_bytes},
+                 {"rss_before_model", before.rss_bytes}};
+  for (auto& [k, v] : memory.items()) v = max_over_ranks(static_cast<double>(v.get<int64_t>()));
+
+  const auto step_spread = spread(step_s);
+  const int64_t tokens_per_step = a.batch * seq * n;
+  const double tokens_per_s = tokens_per_step / step_spread.median;
+  const double flops_per_token = config.flops_per_token(seq);
+  json out = {
+      {"bench", "gpt"},
+      {"tag", a.tag},
+      {"system", a.system},
+      {"level", plain ? json() : json(a.level)},
+      {"dtype", a.dtype},
+      {"ranks", n},
+      {"threads", rt.threads()},
+      {"model", {{"vocab", config.vocab_size}, {"context", config.context}, {"d_model", config.d_model},
+                 {"layers", config.n_layer}, {"heads", config.n_head}, {"preset", a.preset}}},
+      {"params", psi},
+      {"embedding_params", config.vocab_size * config.d_model + config.context * config.d_model},
+      {"batch", a.batch},
+      {"seq", seq},
+      {"steps", steps},
+      {"warmup", warmup},
+      {"optimizer", "ztrain::optim::AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1"},
+      {"tokens_per_step", tokens_per_step},
+      {"step_s", to_json(step_spread)},
+      {"tokens_per_s", tokens_per_s},
+      {"phase_s", {{"forward", spread(forward_s).median}, {"backward", spread(backward_s).median},
+                   {"optimizer", spread(optimizer_s).median}}},
+      {"loss_first", first_loss},
+      {"loss_last", last_loss},
+      {"memory", memory},
+      {"formula", plain ? json() : zero_formula(psi, config.dtype, a.level, n)},
+      {"comm_bytes_per_step", comm},
+      {"flops_per_token", flops_per_token},
+      {"model_gflops_per_rank", flops_per_token * tokens_per_s / n / 1e9},
+      {"matmul", probe},
+      {"profile", a.profile_path.empty() ? json() : json(a.profile_path)},
+  };
+  if (rt.rank() == 0) {
+    std::cout << out.dump() << std::endl;
+    if (!a.json_path.empty()) std::ofstream(a.json_path, std::ios::app) << out.dump() << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  CLI::App app("gpt_bench: one GPT training configuration — tokens/s, memory, bytes sent, FLOP/s");
+  Args a;
+  app.add_option("--system", a.system, "ztrain (the GPT with ZeRO) or plain (plain libtorch modules, no engine)");
+  app.add_option("--preset", a.preset, "tiny, small, medium, gpt2")->capture_default_str();
+  app.add_option("--d-model", a.d_model, "override the preset's width");
+  app.add_option("--layers", a.layers, "override the preset's blocks");
+  app.add_option("--heads", a.heads, "override the preset's heads");
+  app.add_option("--context", a.context, "override the preset's context");
+  app.add_option("--dtype", a.dtype, "fp32 or bf16 (fp32 masters)")->capture_default_str();
+  app.add_option("--level", a.level, "ZeRO level 0..3 (system ztrain)")->capture_default_str();
+  app.add_option("--batch", a.batch, "sequences per rank")->capture_default_str();
+  app.add_option("--seq", a.seq, "sequence length (default: the context)");
+  app.add_option("--steps", a.steps, "timed steps")->capture_default_str();
+  app.add_option("--warmup", a.warmup, "untimed steps first")->capture_default_str();
+  app.add_option("--data", a.data, "text file of byte tokens")->capture_default_str();
+  app.add_option("--json", a.json_path, "append the result line to this file");
+  app.add_option("--tag", a.tag, "a label copied into the result");
+  app.add_flag("--probe", a.probe, "measure the fp32 and bf16 matmul peak first");
+  app.add_option("--profile", a.profile_path, "write a Chrome trace of one extra step (rank 0)");
+  CLI11_PARSE(app, argc, argv);
+  return run(a);
+} catch (const std::exception& e) {
+  std::cerr << "gpt_bench: " << e.what() << '\n';
+  return 1;
+}

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs]
+#
+# Regenerates the section "Against peers and limits" of docs/benchmarks.md (between the markers
+# <!-- run_all:begin --> and <!-- run_all:end -->) and its plots docs/img/bench_*.png: GPT
+# throughput of ztrain (ZeRO levels 0-3, fp32 and bf16) beside PyTorch's DDP and DDP with
+# ZeroRedundancyOptimizer and plain libtorch, model-state memory against the ZeRO formulas, bytes
+# sent against theory, model FLOP/s against the measured matmul peak, and growth with model size
+# and rank count. All of it in one session on this machine, one intra-op thread per rank.
+#
+#   --build DIR     ztrain's build directory (default build/; configured and built if needed)
+#   --results DIR   where the JSON lines, logs and profiles go (default build/bench-results)
+#   --quick         2 timed steps per configuration and fewer growth sizes: checks the tooling
+#                   in a few minutes; the page is not written unless --docs is also given
+#   --docs          write the page even with --quick
+#   --no-docs       measure only (the page can be written later with bench/report.py)
+#
+# Takes about 10-15 minutes on the 2-core development machine when it is otherwise idle.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=$root/build
+results=
+quick=0
+docs=auto
+while (($#)); do
+  case $1 in
+    --build) build=$(realpath -m "$2"); shift 2 ;;
+    --results) results=$(realpath -m "$2"); shift 2 ;;
+    --quick) quick=1; shift ;;
+    --docs) docs=yes; shift ;;
+    --no-docs) docs=no; shift ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "run_all: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ $docs == auto ]] && { ((quick)) && docs=no || docs=yes; }
+results=${results:-$build/bench-results}
+python=/usr/bin/python3
+data=$root/data/tinyshakespeare.txt
+
+fail() { echo "run_all: $*" >&2; exit 1; }
+
+# ---- what the run needs ----------------------------------------------------------------------
+command -v mpirun >/dev/null || fail "mpirun not found; run scripts/setup.sh"
+[[ -x $python ]] || fail "$python not found; run scripts/setup.sh"
+$python -c 'import torch, torch.distributed' 2>/dev/null || fail "PyTorch missing for $python; run scripts/setup.sh (python3-torch)"
+$python -c 'import matplotlib' 2>/dev/null || fail "matplotlib missing for $python; run scripts/setup.sh (python3-matplotlib)"
+[[ -f $data ]] || fail "$data not found"
+if [[ ! -f $build/CMakeCache.txt ]]; then
+  generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DZTRAIN_BUILD_BENCH=ON
+fi
+grep -q '^ZTRAIN_BUILD_BENCH:BOOL=ON' "$build/CMakeCache.txt" || fail "$build was configured with ZTRAIN_BUILD_BENCH=OFF"
+build_log=$(mktemp)
+trap 'rm -f "$build_log"' EXIT
+cmake --build "$build" -j "$(nproc)" --target gpt_bench >"$build_log" 2>&1 ||
+  { tail -n 40 "$build_log" >&2; fail "building gpt_bench failed (cmake --build $build --target gpt_bench)"; }
+"$python" "$root/bench/peer_torch.py" --check || fail "the PyTorch peer does not compute tests/models/gpt_reference.py's loss"
+
+# Run a copy of the binary and its library, so that a rebuild of the build directory during the
+# run cannot change (or break) what is measured.
+rm -rf "$results"
+mkdir -p "$results/logs" "$results/bin"
+cp "$build/bench/gpt_bench" "$results/bin/"
+cp -L "$build/src/libztrain.so.0.1" "$results/bin/" 2>/dev/null ||
+  cp -L "$(ldd "$build/bench/gpt_bench" | awk '/libztrain/ {print $3}')" "$results/bin/"
+export LD_LIBRARY_PATH=$results/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+gpt=$results/bin/gpt_bench
+ldd "$gpt" | grep -q "$results/bin/libztrain" || fail "the copy of gpt_bench does not load the copied libztrain"
+out=$results/results.jsonl
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+start=$(date +%s)
+load_start=$(cut -d' ' -f1-3 /proc/loadavg)
+
+if ((quick)); then steps=2 warmup=1; else steps=10 warmup=3; fi
+runs=0
+log_of() { echo "$results/logs/$(printf '%03d' "$runs")-$1.log"; }
+
+# ztrain NP TAG ARGS...: gpt_bench on NP ranks
+ztrain() {
+  local np=$1 tag=$2; shift 2
+  runs=$((runs + 1))
+  local log; log=$(log_of "$tag")
+  printf '[%4ds] %-8s np=%d gpt_bench %s\n' $(($(date +%s) - start)) "$tag" "$np" "$*" >&2
+  mpirun -np "$np" --oversubscribe --bind-to none -x LD_LIBRARY_PATH "$gpt" --data "$data" --json "$out" --tag "$tag" "$@" >"$log" 2>&1 ||
+    { cat "$log" >&2; fail "gpt_bench failed (log: $log)"; }
+}
+
+# peer NP TAG ARGS...: the PyTorch peer on NP ranks
+peer() {
+  local np=$1 tag=$2; shift 2
+  runs=$((runs + 1))
+  local log; log=$(log_of "$tag")
+  printf '[%4ds] %-8s np=%d peer_torch %s\n' $(($(date +%s) - start)) "$tag" "$np" "$*" >&2
+  "$python" "$root/bench/peer_torch.py" --ranks "$np" --data "$data" --json "$out" --tag "$tag" "$@" >"$log" 2>&1 ||
+    { cat "$log" >&2; fail "peer_torch.py failed (log: $log)"; }
+}
+
+# ---- 1-4: the two peer sizes at 1 and 2 ranks, every system side by side ---------------------
+# tiny: 2 x 64, 120 k parameters; small: 4 x 256, 3.3 M parameters. 512 / 1024 tokens per rank.
+for size in "tiny --batch 8 --seq 64" "small --batch 8 --seq 128"; do
+  read -r preset shape <<<"$size"
+  for np in 1 2; do
+    for dtype in fp32 bf16; do
+      common=(--preset "$preset" $shape --dtype "$dtype" --steps "$steps" --warmup "$warmup")
+      profile=()
+      [[ $preset == small && $np == 1 ]] && profile=(--profile "$results/profile-$preset-$dtype-level0.json")
+      ztrain "$np" peer "${common[@]}" --system plain --probe
+      ztrain "$np" peer "${common[@]}" --level 0 --probe "${profile[@]}"
+      for level in 1 2 3; do ztrain "$np" peer "${common[@]}" --level "$level"; done
+      peer "$np" peer "${common[@]}" --system ddp
+      peer "$np" peer "${common[@]}" --system ddp_zero
+    done
+  done
+done
+
+# ---- 2-3: memory and bytes sent at 4 ranks (4 ranks on 2 cores: not timed) -------------------
+for dtype in fp32 bf16; do
+  for level in 0 1 2 3; do
+    ztrain 4 memory --preset small --batch 8 --seq 128 --dtype "$dtype" --level "$level" --steps 2 --warmup 1
+  done
+done
+
+# ---- 5: growth with model size and rank count ------------------------------------------------
+if ((quick)); then widths="128 256"; else widths="128 256 384 512"; fi
+for d in $widths; do
+  shape=(--preset small --d-model "$d" --heads $((d / 64)) --layers 4 --context 128 --batch 4 --seq 128 --dtype fp32)
+  ztrain 1 growth "${shape[@]}" --level 3 --steps "$steps" --warmup "$warmup"
+  ztrain 2 growth "${shape[@]}" --level 3 --steps "$steps" --warmup "$warmup"
+  ztrain 2 growth "${shape[@]}" --level 0 --steps "$steps" --warmup "$warmup"
+  ztrain 4 growth "${shape[@]}" --level 3 --steps 2 --warmup 1
+done
+
+# ---- the page --------------------------------------------------------------------------------
+elapsed=$(($(date +%s) - start))
+load_end=$(cut -d' ' -f1-3 /proc/loadavg)
+commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+dirty=false
+[[ -n $(git -C "$root" status --porcelain 2>/dev/null) ]] && dirty=true
+"$python" - "$results/meta.json" <<EOF
+import json, platform, subprocess, sys, torch
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+json.dump({"date": "$(date -u +%Y-%m-%d\ %H:%M\ UTC)", "commit": "$commit", "dirty": $([[ $dirty == true ]] && echo True || echo False),
+           "cpu": cpu, "cores": $(getconf _NPROCESSORS_ONLN), "load_start": "$load_start".split(), "load_end": "$load_end".split(),
+           "elapsed_s": $elapsed, "runs": $runs, "quick": bool($quick), "mpi": mpi, "torch_python": torch.__version__},
+          open(sys.argv[1], "w"), indent=1)
+EOF
+echo "run_all: $runs runs in ${elapsed} s; results in $results" >&2
+if [[ $docs == yes ]]; then
+  "$python" "$root/bench/report.py" --results "$results" --doc "$root/docs/benchmarks.md" --img "$root/docs/img"
+fi

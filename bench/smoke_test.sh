@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Usage: bench/smoke_test.sh GPT_BENCH MPIEXEC DATA WORKDIR
+#
+# The run_all tooling in seconds (a CTest, not a benchmark): gpt_bench on 2 ranks for one step
+# of the small GPT at ZeRO levels 0 and 3, the PyTorch peer's model against gpt_reference.py and
+# one peer step, then report.py on the results. Fails unless the bytes sent per step equal the
+# theory (ring collectives: 2(N-1)/N or 3(N-1)/N of the parameter bytes) and the model state
+# equals ztrain's formula, and the section and plots are written.
+set -euo pipefail
+gpt=$1 mpiexec=$2 data=$3 work=$4
+here=$(cd "$(dirname "$0")" && pwd)
+python=/usr/bin/python3
+rm -rf "$work"
+mkdir -p "$work"
+for level in 0 3; do
+  "$mpiexec" -np 2 --oversubscribe --bind-to none "$gpt" --preset small --batch 1 --seq 16 --steps 1 --warmup 1 \
+    --level "$level" --data "$data" --json "$work/results.jsonl" --tag peer >/dev/null
+done
+"$python" "$here/peer_torch.py" --check
+"$python" "$here/peer_torch.py" --ranks 1 --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 --data "$data" \
+  --json "$work/results.jsonl" --tag peer >/dev/null
+"$python" - "$work/results.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+ours = [r for r in rows if r["system"] == "ztrain"]
+assert len(ours) == 2 and len(rows) == 3, f"expected 2 gpt_bench and 1 peer result, got {len(rows)}"
+for r in ours:
+    n, k = r["ranks"], 3 if r["level"] == 3 else 2
+    theory = k * (n - 1) / n * r["params"] * 4
+    sent = r["comm_bytes_per_step"]["gather"] + r["comm_bytes_per_step"]["reduce"]
+    assert abs(sent / theory - 1) < 1e-3, f"level {r['level']}: sent {sent} bytes per step, theory {theory}"
+    state, formula = r["memory"]["model_state"], r["formula"]["design"]["model_state"]
+    assert abs(state / formula - 1) < 1e-3, f"level {r['level']}: model state {state}, formula {formula}"
+    print(f"level {r['level']}: {sent:.0f} bytes sent per step (theory {theory:.0f}), model state {state:.0f} bytes")
+EOF
+"$python" "$here/report.py" --results "$work" --print --img "$work/img" >"$work/section.md"
+grep -q "Throughput against PyTorch" "$work/section.md"
+[[ -s $work/img/bench_peers.png ]]
+echo "smoke_test: ok"
