@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <limits>
 
 // How it works
@@ -238,37 +239,43 @@ torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& mic
   std::vector<TensorList> input_grads(inputs.size());
   std::vector<torch::Tensor> losses(m);
 
-  // Receives, posted one ahead per direction.
-  std::deque<Instruction> upcoming_forward, upcoming_backward;
+  // Receives, posted one ahead per direction: take() waits for the instruction's message and
+  // posts the next one.
+  struct Inbox {
+    std::deque<Instruction> upcoming;
+    std::function<PendingMessage(const Instruction&)> post;
+    PendingMessage next;
+    void post_next() {
+      if (!upcoming.empty()) next = post(upcoming.front());
+    }
+    TensorList take(const Instruction& ins) {
+      ZTRAIN_INTERNAL_ASSERT(!upcoming.empty() && upcoming.front() == ins);
+      auto tensors = next.wait().tensors;
+      upcoming.pop_front();
+      post_next();
+      return tensors;
+    }
+  };
+  Inbox forward{{}, [&](const Instruction& i) {
+                  return boundary_.recv_forward(id_of(i.micro_batch, virtual_stage_of(i.chunk) - 1));
+                }};
+  Inbox backward{{}, [&](const Instruction& i) {
+                   return boundary_.recv_backward(id_of(i.micro_batch, virtual_stage_of(i.chunk) + 1));
+                 }};
   for (const auto& ins : list) {
-    if (ins.op == Op::kRecvForward) upcoming_forward.push_back(ins);
-    if (ins.op == Op::kRecvBackward) upcoming_backward.push_back(ins);
+    if (ins.op == Op::kRecvForward) forward.upcoming.push_back(ins);
+    if (ins.op == Op::kRecvBackward) backward.upcoming.push_back(ins);
   }
-  PendingMessage next_forward, next_backward;
-  auto post_forward = [&] {
-    if (upcoming_forward.empty()) return;
-    const auto& i = upcoming_forward.front();
-    next_forward = boundary_.recv_forward(id_of(i.micro_batch, virtual_stage_of(i.chunk) - 1));
-  };
-  auto post_backward = [&] {
-    if (upcoming_backward.empty()) return;
-    const auto& i = upcoming_backward.front();
-    next_backward = boundary_.recv_backward(id_of(i.micro_batch, virtual_stage_of(i.chunk) + 1));
-  };
-  post_forward();
-  post_backward();
+  forward.post_next();
+  backward.post_next();
 
   for (const auto& ins : list) {
     const int c = ins.chunk, mb = ins.micro_batch, vs = virtual_stage_of(c);
     const size_t k = slot(c, mb);
     switch (ins.op) {
-      case Op::kRecvForward: {
-        ZTRAIN_INTERNAL_ASSERT(!upcoming_forward.empty() && upcoming_forward.front() == ins);
-        inputs[k] = next_forward.wait().tensors;
-        upcoming_forward.pop_front();
-        post_forward();
+      case Op::kRecvForward:
+        inputs[k] = forward.take(ins);
         break;
-      }
       case Op::kForward: {
         auto out = chunks_[c]->forward(inputs[k], micro_batches[mb]);
         if (vs == last_virtual) {
@@ -286,13 +293,9 @@ torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& mic
       case Op::kSendForward:
         boundary_.send_forward(outputs[k], id_of(mb, vs));
         break;
-      case Op::kRecvBackward: {
-        ZTRAIN_INTERNAL_ASSERT(!upcoming_backward.empty() && upcoming_backward.front() == ins);
-        grads[k] = next_backward.wait().tensors;
-        upcoming_backward.pop_front();
-        post_backward();
+      case Op::kRecvBackward:
+        grads[k] = backward.take(ins);
         break;
-      }
       case Op::kBackward: {
         if (vs == last_virtual) {
           if (outputs[k][0].requires_grad()) (outputs[k][0] * (loss_scale / m)).backward();
