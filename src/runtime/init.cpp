@@ -3,6 +3,8 @@
 #include <ztrain/comm/mpi/communicator.h>
 #include <ztrain/runtime/rng.h>
 
+#include "huge_pages.h"
+
 #include <torch/torch.h>
 
 #include <sched.h>
@@ -69,6 +71,12 @@ bool resolve_debug(const InitOptions& o) {
   return v && *v != "0";
 }
 
+bool resolve_huge_pages(const InitOptions& o) {
+  if (o.huge_pages) return *o.huge_pages;
+  auto v = env("ZTRAIN_HUGE_PAGES");
+  return !v || *v != "0";
+}
+
 int usable_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -97,7 +105,9 @@ Runtime::Runtime(const InitOptions& options)
     : topology_(world_size_of_mpi(), options.tp_size, options.pp_size),
       seed_(options.seed),
       timeout_(resolve_timeout(options)),
-      debug_(resolve_debug(options)) {
+      debug_(resolve_debug(options)),
+      huge_pages_(resolve_huge_pages(options)) {
+  if (huge_pages_) detail::install_huge_page_allocator();
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 

@@ -4,6 +4,7 @@
 #include "test_util.h"
 
 #include <cstdlib>
+#include <fstream>
 
 using namespace std::chrono_literals;
 using ztrain::test::error_message;
@@ -72,6 +73,41 @@ TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   check(rt.dp(), t.dp_group(rt.rank()), rt.dp_rank(), "dp");
   check(rt.pp(), t.pp_group(rt.rank()), rt.pp_rank(), "pp");
   check(rt.stage(), t.stage_group(rt.rank()), rt.rank(), "stage");
+}
+
+namespace {
+// Kilobytes of the kernel's transparent huge pages in this process.
+int64_t anon_huge_kb() {
+  std::ifstream in("/proc/self/smaps_rollup");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("AnonHugePages:", 0) == 0) return std::stoll(line.substr(14));
+  }
+  return -1;
+}
+bool thp_available() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string policy;
+  std::getline(in, policy);
+  return policy.find("[never]") == std::string::npos && !policy.empty();
+}
+}  // namespace
+
+TEST(Init, LargeTensorsGetWholeHugePages) {
+  ASSERT_TRUE(ztrain::runtime().huge_pages());  // the default
+  constexpr int64_t kMiB = 1 << 20;
+  for (int64_t bytes : {2 * kMiB, 3 * kMiB + 5, 64 * kMiB}) {
+    auto t = torch::empty({bytes}, torch::kUInt8);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * kMiB), 0u) << bytes << " bytes";
+  }
+  auto small = torch::full({1000}, 3.0);  // below 2 MiB: libtorch's own allocator, as before
+  EXPECT_EQ(small.sum().item<double>(), 3000.0);
+  if (!thp_available()) GTEST_SKIP() << "transparent huge pages are off on this kernel";
+  const auto before = anon_huge_kb();
+  auto big = torch::ones({16 * kMiB}, torch::kUInt8);  // touched: the kernel backs it now
+  const auto after = anon_huge_kb();
+  EXPECT_GE(after - before, 8 * 1024) << "at least half of a 16 MiB tensor should sit on huge pages";
+  EXPECT_EQ(big.sum().item<int64_t>(), 16 * kMiB);
 }
 
 TEST(Init, SecondInitIsAnError) {

@@ -43,6 +43,10 @@ struct InitOptions {
   /// Check before every collective that all members agree on it (op, dtype, sizes, root).
   /// Not set: on when ZTRAIN_DEBUG_COLLECTIVES is 1.
   std::optional<bool> debug_collectives;
+  /// Back CPU tensors of 2 MiB and more with transparent huge pages (2 MiB aligned, sized to
+  /// whole pages, madvise(MADV_HUGEPAGE)): faster cross-process copies, memcpy and streaming
+  /// kernels. Process-wide, from init_distributed on. Not set: on unless ZTRAIN_HUGE_PAGES is 0.
+  std::optional<bool> huge_pages;
 };
 
 class Runtime {
@@ -75,6 +79,7 @@ class Runtime {
   int threads() const { return threads_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   bool debug_collectives() const { return debug_; }
+  bool huge_pages() const { return huge_pages_; }
 
  private:
   friend Runtime& init_distributed(const InitOptions&);
@@ -88,6 +93,7 @@ class Runtime {
   int threads_ = 1;
   std::chrono::milliseconds timeout_;
   bool debug_ = false;
+  bool huge_pages_ = true;
   std::unique_ptr<Communicator> world_, tp_, dp_, pp_, stage_;
 };
 
