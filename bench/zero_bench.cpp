@@ -7,11 +7,14 @@
 // How it is measured
 // ------------------
 // Every rank builds the same model (a GPT-style stack of pre-LayerNorm attention + MLP blocks)
-// and runs each variant for --warmup steps, then --steps timed steps; a step is timed from a
-// barrier to the end of the optimizer step, as the max over ranks. The plain variant runs the
-// unwrapped model on every rank at once (each rank's single-process step, the cores busy as in
-// the sharded runs). Reported: median and p10/p90 over steps, and the ratio of medians to the
-// plain step. Each variant's first-step loss is checked against the plain model's.
+// and all variants side by side, then runs --warmup + --steps rounds in which every variant
+// takes one step, in an order that rotates from round to round, so that a machine whose speed
+// drifts during the run (other tenants, clock changes) slows all variants alike instead of
+// whichever ran last. A step is timed from a barrier to the end of the optimizer step, as the
+// max over ranks. The plain variant runs the unwrapped model on every rank at once (each rank's
+// single-process step, the cores busy as in the sharded runs). Reported: median and p10/p90
+// over the timed rounds, and the ratio of medians to the plain step. Each variant's first-step
+// loss is checked against the plain model's.
 #include <ztrain/ztrain.h>
 
 #include <CLI/CLI.hpp>
@@ -109,8 +112,8 @@ int main(int argc, char** argv) {
   app.add_option("--heads", heads, "attention heads");
   app.add_option("--seq", seq, "sequence length");
   app.add_option("--batch", batch, "sequences per rank");
-  app.add_option("--steps", steps, "timed steps per variant");
-  app.add_option("--warmup", warmup, "untimed steps per variant");
+  app.add_option("--steps", steps, "timed rounds (one step of every variant each)");
+  app.add_option("--warmup", warmup, "untimed rounds first");
   app.add_option("--json", json_path, "append results as JSON lines");
   CLI11_PARSE(app, argc, argv);
 
@@ -120,27 +123,21 @@ int main(int argc, char** argv) {
   torch::manual_seed(1);
   auto x = torch::randn({batch, seq, dim});
 
-  auto timed = [&](const std::function<torch::Tensor()>& step) {
-    std::vector<double> times;
-    double first_loss = 0;
-    for (int i = 0; i < warmup + steps; ++i) {
-      world.barrier();
-      const auto t0 = Clock::now();
-      auto loss = step();
-      auto dt = torch::tensor({std::chrono::duration<double>(Clock::now() - t0).count()}, torch::kFloat64);
-      world.all_reduce(dt, ztrain::ReduceOp::kMax);
-      if (i == 0) first_loss = loss.item<double>();
-      if (i >= warmup) times.push_back(dt.item<double>());
-    }
-    return std::make_pair(stats(times), first_loss);
-  };
-
   auto make_layers = [&] {
     std::vector<Layer> out;
     torch::manual_seed(2);
     for (int64_t i = 0; i < layers; ++i) out.push_back(Layer(dim, heads));
     return out;
   };
+
+  // Every variant is built first; the timed steps then take turns (see the header).
+  struct Variant {
+    std::string name;
+    std::function<torch::Tensor()> step;  // one training step; returns the mean loss over ranks
+    std::vector<double> times;
+    double first_loss = 0;
+  };
+  std::vector<Variant> variants;
 
   // The plain libtorch step.
   auto plain_layers = make_layers();
@@ -151,61 +148,75 @@ int main(int argc, char** argv) {
   int64_t psi = 0;
   for (auto& p : plain_params) psi += p.numel();
   torch::optim::SGD plain_opt(plain_params, 1e-3);
-  auto [plain, plain_loss] = timed([&] {
-    auto h = x;
-    for (auto& l : plain_layers) h = l(h);
-    auto loss = h.pow(2).mean();
-    plain_opt.zero_grad();
-    loss.backward();
-    plain_opt.step();
-    return loss.detach();
-  });
+  variants.push_back({"plain", [&] {
+                        auto h = x;
+                        for (auto& l : plain_layers) h = l(h);
+                        auto loss = h.pow(2).mean();
+                        plain_opt.zero_grad();
+                        loss.backward();
+                        plain_opt.step();
+                        return loss.detach();
+                      }});
 
-  struct Variant {
-    std::string name;
-    ztrain::BlockOptions options;
-  };
-  const std::vector<Variant> variants = {
+  const std::vector<std::pair<std::string, ztrain::BlockOptions>> sharded = {
       {"level3_prefetch", {.zero_level = 3, .use_checkpoint = false, .prefetch_depth = 1}},
       {"level3_no_prefetch", {.zero_level = 3, .use_checkpoint = false, .prefetch_depth = 0}},
       {"level2", {.zero_level = 2, .use_checkpoint = false, .prefetch_depth = 1}},
       {"level0", {.zero_level = 0, .use_checkpoint = false}},
   };
+  std::vector<std::unique_ptr<ztrain::BlockList<Layer>>> lists;
+  std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
+  for (const auto& [name, options] : sharded) {
+    std::vector<ztrain::Block<Layer>> blocks;
+    for (auto& l : make_layers()) blocks.emplace_back(l, options);
+    auto& list = *lists.emplace_back(std::make_unique<ztrain::BlockList<Layer>>(std::move(blocks)));
+    auto& opt = *optimizers.emplace_back(std::make_unique<torch::optim::SGD>(list->parameters(), 1e-3));
+    variants.push_back({name, [&list, &opt, &x] {
+                          auto out = list(x).pow(2).mean();
+                          opt.zero_grad();
+                          out.backward();
+                          opt.step();
+                          return ztrain::sum_loss(out);
+                        }});
+  }
+
+  for (int i = 0; i < warmup + steps; ++i) {
+    for (size_t k = 0; k < variants.size(); ++k) {
+      auto& v = variants[(i + k) % variants.size()];
+      world.barrier();
+      const auto t0 = Clock::now();
+      auto loss = v.step();
+      auto dt = torch::tensor({std::chrono::duration<double>(Clock::now() - t0).count()}, torch::kFloat64);
+      world.all_reduce(dt, ztrain::ReduceOp::kMax);
+      if (i == 0) v.first_loss = loss.item<double>();
+      if (i >= warmup) v.times.push_back(dt.item<double>());
+    }
+  }
+
   ztrain::print_rank("zero_bench: ", rt.world_size(), " ranks, ", rt.threads(), " threads/rank, model ", layers, "x", dim,
                      " (", heads, " heads, ", psi / 1e6, " M parameters), batch ", batch, "x", seq,
-                     " per rank, fp32, no recomputation, SGD; ", steps, " timed steps after ", warmup, " warm-up");
+                     " per rank, fp32, no recomputation, SGD; ", steps, " timed rounds after ", warmup,
+                     " warm-up, variants taking turns");
   ztrain::print_rank(c10::str("variant               median_s    p10_s    p90_s   ratio_to_plain"));
-  auto row = [&](const std::string& name, const Stats& s) {
-    ztrain::print_rank(c10::str(name, std::string(20 - std::min<size_t>(20, name.size()), ' '), "  ", s.median, "  ",
-                                s.p10, "  ", s.p90, "  ", s.median / plain.median));
+  const auto plain = stats(variants[0].times);
+  for (const auto& v : variants) {
+    const auto s = stats(v.times);
+    ztrain::print_rank(c10::str(v.name, std::string(20 - std::min<size_t>(20, v.name.size()), ' '), "  ", s.median,
+                                "  ", s.p10, "  ", s.p90, "  ", s.median / plain.median));
     if (!json_path.empty() && rt.rank() == 0) {
       std::ofstream(json_path, std::ios::app)
-          << nlohmann::json{{"bench", "zero"},   {"variant", name},       {"ranks", rt.world_size()},
+          << nlohmann::json{{"bench", "zero"},   {"variant", v.name},     {"ranks", rt.world_size()},
                             {"dim", dim},        {"layers", layers},      {"seq", seq},
                             {"batch", batch},    {"params", psi},         {"median_s", s.median},
                             {"p10_s", s.p10},    {"p90_s", s.p90},        {"ratio_to_plain", s.median / plain.median}}
                  .dump()
           << "\n";
     }
-  };
-  row("plain", plain);
-  for (const auto& v : variants) {
-    std::vector<ztrain::Block<Layer>> blocks;
-    for (auto& l : make_layers()) blocks.emplace_back(l, v.options);
-    ztrain::BlockList<Layer> list(std::move(blocks));
-    torch::optim::SGD opt(list->parameters(), 1e-3);
-    auto [s, loss] = timed([&] {
-      auto out = list(x).pow(2).mean();
-      opt.zero_grad();
-      out.backward();
-      opt.step();
-      return ztrain::sum_loss(out);
-    });
-    if (std::abs(loss - plain_loss) > 1e-4 * std::abs(plain_loss)) {
-      ztrain::print_rank("error: ", v.name, " first loss ", loss, " differs from the plain ", plain_loss);
+    if (std::abs(v.first_loss - variants[0].first_loss) > 1e-4 * std::abs(variants[0].first_loss)) {
+      ztrain::print_rank("error: ", v.name, " first loss ", v.first_loss, " differs from the plain ",
+                         variants[0].first_loss);
       return 1;
     }
-    row(v.name, s);
   }
   return 0;
 }
