@@ -115,10 +115,12 @@ TEST(Communicator, ReduceScatterEveryDtypeSizeAndOp) { check_reduce_scatter(worl
 TEST(Communicator, RingsAtSmallAndUnevenSizes) {
   auto ring = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "ring", .timeout = world().timeout(),
                                                        .ring_threshold_bytes = 1});
-  const std::vector<int64_t> small = {0, 1, 2, 3, 17, 1023};
-  check_all_reduce(ring, small);
-  check_all_gather(ring, small);
-  check_reduce_scatter(ring, small);
+  // The last two cut segments into 256 KiB chunks (65536 floats) whose counts differ between
+  // neighbours at 2 and 3 ranks: 65536 and 65537 elements.
+  const std::vector<int64_t> sizes = {0, 1, 2, 3, 17, 1023, 2 * 65536 + 1, 3 * 65536 + 1};
+  check_all_reduce(ring, sizes);
+  check_all_gather(ring, sizes);
+  check_reduce_scatter(ring, sizes);
 }
 
 TEST(Communicator, MpiCollectivesAtLargeSizes) {

@@ -323,6 +323,10 @@ void MpiCommunicator::wait_all(MPI_Request* requests, int count, const char* op,
 namespace {
 
 constexpr int kRingTag = kMaxUserTag + 1;
+// Reduce-scatter steps move and sum this much at a time (see ring_reduce_scatter).
+// 256 KiB chunks were 10–30% faster than whole segments at 4–256 MiB on 2 ranks
+// (docs/benchmarks.md); the handshake per chunk costs little at that size.
+constexpr int64_t kRingChunkBytes = int64_t{256} << 10;
 
 torch::Tensor segment(const torch::Tensor& flat, const std::vector<int64_t>& bounds, int i) {
   return flat.narrow(0, bounds[i], bounds[i + 1] - bounds[i]);
@@ -359,9 +363,9 @@ void MpiCommunicator::ring_exchange(const torch::Tensor& out, const torch::Tenso
                                     const std::function<void()>& overlap) {
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   const auto type = mpi_type(out.scalar_type());
-  MPI_Request reqs[2];
-  check_mpi(MPI_Irecv(in.data_ptr(), count(in), type, prev, kRingTag, comm_, &reqs[0]), op, prev);
-  check_mpi(MPI_Isend(out.data_ptr(), count(out), type, next, kRingTag, comm_, &reqs[1]), op, next);
+  MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  if (in.numel() > 0) check_mpi(MPI_Irecv(in.data_ptr(), count(in), type, prev, kRingTag, comm_, &reqs[0]), op, prev);
+  if (out.numel() > 0) check_mpi(MPI_Isend(out.data_ptr(), count(out), type, next, kRingTag, comm_, &reqs[1]), op, next);
   if (overlap) overlap();
   // A stall anywhere in the ring reaches every rank through its neighbour, so the neighbour is
   // not named as the culprit: the wait reports the collective as a whole.
@@ -373,27 +377,32 @@ void MpiCommunicator::ring_reduce_scatter(const torch::Tensor& input, const std:
   const int n = size_, r = rank_;
   int64_t largest = 0;
   for (int i = 0; i < n; ++i) largest = std::max(largest, bounds[i + 1] - bounds[i]);
-  // The last step receives straight into `output` and adds this rank's input there, unless the
-  // output is this rank's own input segment (in-place all_reduce). Only then, and for the
-  // partial sums of rings longer than two, is scratch needed; it is kept between calls, since
-  // fresh pages for every large call cost more than the copy itself.
-  const bool output_is_own_input = output.data_ptr() == segment(input, bounds, r).data_ptr();
-  const int64_t received_len = output_is_own_input || n > 2 ? largest : 0;
+  // Each step moves its segment in chunks and sums every chunk right after it arrives, while it
+  // is still in cache: received data never makes a round trip through memory. Partial sums (rings
+  // longer than two) need whole segments. The scratch is kept between calls, since fresh pages
+  // for every large call cost more than the copy itself.
+  const int64_t chunk = std::max<int64_t>(1, kRingChunkBytes / input.element_size());
   const int64_t partial_len = n > 2 ? largest : 0;
-  auto scratch = scratch_for(input.scalar_type(), received_len + 2 * partial_len);
-  auto received = scratch.narrow(0, 0, received_len);
-  torch::Tensor partial[2] = {scratch.narrow(0, received_len, partial_len),
-                              scratch.narrow(0, received_len + partial_len, partial_len)};
+  auto scratch = scratch_for(input.scalar_type(), std::min(chunk, largest) + 2 * partial_len);
+  auto received = scratch.narrow(0, 0, std::min(chunk, largest));
+  torch::Tensor partial[2] = {scratch.narrow(0, received.numel(), partial_len),
+                              scratch.narrow(0, received.numel() + partial_len, partial_len)};
   for (int s = 0; s < n - 1; ++s) {
     const int send_idx = ((r - s - 1) % n + n) % n, recv_idx = ((r - s - 2) % n + n) % n;
     const int64_t send_len = bounds[send_idx + 1] - bounds[send_idx];
     const int64_t recv_len = bounds[recv_idx + 1] - bounds[recv_idx];
-    const bool last = s == n - 2;
     auto out = s == 0 ? segment(input, bounds, send_idx) : partial[(s - 1) % 2].narrow(0, 0, send_len);
-    auto in = last && !output_is_own_input ? output : received.narrow(0, 0, recv_len);
-    ring_exchange(out, in, call);
-    auto dst = last ? output : partial[s % 2].narrow(0, 0, recv_len);
-    combine(dst, in, segment(input, bounds, recv_idx), op);
+    auto dst = s == n - 2 ? output : partial[s % 2].narrow(0, 0, recv_len);
+    auto own = segment(input, bounds, recv_idx);
+    // The neighbours cut the segment they pass the same way, so every chunk sent is received
+    // as a chunk of the same size.
+    for (int64_t at = 0; at < std::max(send_len, recv_len); at += chunk) {
+      const int64_t send_n = std::clamp<int64_t>(send_len - at, 0, chunk);
+      const int64_t recv_n = std::clamp<int64_t>(recv_len - at, 0, chunk);
+      auto in = received.narrow(0, 0, recv_n);
+      ring_exchange(out.narrow(0, std::min(at, send_len), send_n), in, call);
+      if (recv_n > 0) combine(dst.narrow(0, at, recv_n), in, own.narrow(0, at, recv_n), op);
+    }
   }
 }
 

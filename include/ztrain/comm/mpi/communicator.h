@@ -10,8 +10,9 @@
 /// libtorch's kernels (same rounding); on one host each hop is a single copy (CMA).
 ///
 /// Point-to-point tags must lie in [0, kMaxUserTag]; the tag above is reserved for the rings.
-/// Ring reduce-scatter keeps a scratch buffer between calls (none at two ranks out of place;
-/// up to 3/n of the input otherwise).
+/// Ring reduce-scatter passes segments in 256 KiB chunks, each summed as soon as it arrives, and
+/// keeps a scratch buffer between calls: one chunk, plus two segments of partial sums (2/n of
+/// the input) on rings longer than two.
 ///
 /// The communicator duplicates the MPI_Comm it is given and frees its duplicate on destruction.
 /// MPI must have been initialised with MPI_THREAD_MULTIPLE when several communicators are used
@@ -89,7 +90,7 @@ class MpiCommunicator final : public Communicator {
                      const std::function<void()>& overlap = {});
   void ring_reduce_scatter(const torch::Tensor& input, const std::vector<int64_t>& bounds,
                            const torch::Tensor& output, ReduceOp op, const char* call);
-  // A reusable buffer of at least `numel` elements (ring partial sums).
+  // A reusable buffer of at least `numel` elements (received chunks and ring partial sums).
   torch::Tensor scratch_for(c10::ScalarType dtype, int64_t numel);
   void ring_all_gather(const torch::Tensor& output, const std::vector<int64_t>& bounds,
                        const torch::Tensor& own_input, const char* call);
