@@ -44,8 +44,9 @@ struct InitOptions {
   /// Not set: on when ZTRAIN_DEBUG_COLLECTIVES is 1.
   std::optional<bool> debug_collectives;
   /// Back CPU tensors of 2 MiB and more with transparent huge pages (2 MiB aligned, sized to
-  /// whole pages, madvise(MADV_HUGEPAGE)): faster cross-process copies, memcpy and streaming
-  /// kernels. Process-wide, from init_distributed on. Not set: on unless ZTRAIN_HUGE_PAGES is 0.
+  /// whole pages, madvise(MADV_HUGEPAGE)): cross-process copies of large messages up to 1.5×
+  /// faster, at the price of 10–20% more peak memory (docs/benchmarks.md). Process-wide, from
+  /// init_distributed on. Not set: on when ZTRAIN_HUGE_PAGES is 1.
   std::optional<bool> huge_pages;
 };
 
@@ -93,7 +94,7 @@ class Runtime {
   int threads_ = 1;
   std::chrono::milliseconds timeout_;
   bool debug_ = false;
-  bool huge_pages_ = true;
+  bool huge_pages_ = false;
   std::unique_ptr<Communicator> world_, tp_, dp_, pp_, stage_;
 };
 
