@@ -40,35 +40,35 @@ int main(int argc, char** argv) {
                          "sendrecv, both ways at once"};
   if (rank == 0) std::printf("# GB/s per copy of S bytes (S counted once), median of 9 after a warm-up\n");
   for (int huge = 0; huge < 2; ++huge) {
-  for (size_t bytes = size_t{16} << 20; bytes <= size_t{256} << 20; bytes *= 4) {
-    char* a = buffer(bytes, huge, 1);
-    char* b = buffer(bytes, huge, 2);
-    for (int kind = 0; kind < 4; ++kind) {
-      std::vector<double> times;
-      for (int it = 0; it < 10; ++it) {
-        MPI_Barrier(MPI_COMM_WORLD);
-        const double start = MPI_Wtime();
-        if (kind == 0 && rank == 0) std::memcpy(b, a, bytes);
-        if (kind == 1) std::memcpy(b, a, bytes);
-        if (kind == 2 && rank == 0) MPI_Send(a, static_cast<int>(bytes), MPI_BYTE, 1, 0, MPI_COMM_WORLD);
-        if (kind == 2 && rank == 1) MPI_Recv(b, static_cast<int>(bytes), MPI_BYTE, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-        if (kind == 3) {
-          MPI_Sendrecv(a, static_cast<int>(bytes), MPI_BYTE, peer, 0, b, static_cast<int>(bytes),
-                       MPI_BYTE, peer, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    for (size_t bytes = size_t{16} << 20; bytes <= size_t{256} << 20; bytes *= 4) {
+      char* a = buffer(bytes, huge, 1);
+      char* b = buffer(bytes, huge, 2);
+      for (int kind = 0; kind < 4; ++kind) {
+        std::vector<double> times;
+        for (int it = 0; it < 10; ++it) {
+          MPI_Barrier(MPI_COMM_WORLD);
+          const double start = MPI_Wtime();
+          if (kind == 0 && rank == 0) std::memcpy(b, a, bytes);
+          if (kind == 1) std::memcpy(b, a, bytes);
+          if (kind == 2 && rank == 0) MPI_Send(a, static_cast<int>(bytes), MPI_BYTE, 1, 0, MPI_COMM_WORLD);
+          if (kind == 2 && rank == 1) MPI_Recv(b, static_cast<int>(bytes), MPI_BYTE, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+          if (kind == 3) {
+            MPI_Sendrecv(a, static_cast<int>(bytes), MPI_BYTE, peer, 0, b, static_cast<int>(bytes),
+                         MPI_BYTE, peer, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+          }
+          double t = MPI_Wtime() - start;
+          MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+          if (it > 0) times.push_back(t);  // the first is the warm-up
         }
-        double t = MPI_Wtime() - start;
-        MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-        if (it > 0) times.push_back(t);  // the first is the warm-up
+        std::nth_element(times.begin(), times.begin() + 4, times.end());
+        if (rank == 0) {
+          std::printf("%4zu MiB  %-10s %-28s %6.2f GB/s\n", bytes >> 20, huge ? "huge pages" : "4 KiB", names[kind],
+                      bytes / times[4] / 1e9);
+        }
       }
-      std::nth_element(times.begin(), times.begin() + 4, times.end());
-      if (rank == 0) {
-        std::printf("%4zu MiB  %-10s %-28s %6.2f GB/s\n", bytes >> 20, huge ? "huge pages" : "4 KiB", names[kind],
-                    bytes / times[4] / 1e9);
-      }
+      std::free(a);
+      std::free(b);
     }
-    std::free(a);
-    std::free(b);
-  }
   }
   MPI_Finalize();
   return 0;

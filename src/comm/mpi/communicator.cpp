@@ -364,8 +364,12 @@ void MpiCommunicator::ring_exchange(const torch::Tensor& out, const torch::Tenso
   const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
   const auto type = mpi_type(out.scalar_type());
   MPI_Request reqs[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  if (in.numel() > 0) check_mpi(MPI_Irecv(in.data_ptr(), count(in), type, prev, kRingTag, comm_, &reqs[0]), op, prev);
-  if (out.numel() > 0) check_mpi(MPI_Isend(out.data_ptr(), count(out), type, next, kRingTag, comm_, &reqs[1]), op, next);
+  if (in.numel() > 0) {
+    check_mpi(MPI_Irecv(in.data_ptr(), count(in), type, prev, kRingTag, comm_, &reqs[0]), op, prev);
+  }
+  if (out.numel() > 0) {
+    check_mpi(MPI_Isend(out.data_ptr(), count(out), type, next, kRingTag, comm_, &reqs[1]), op, next);
+  }
   if (overlap) overlap();
   // A stall anywhere in the ring reaches every rank through its neighbour, so the neighbour is
   // not named as the culprit: the wait reports the collective as a whole.
@@ -378,8 +382,8 @@ void MpiCommunicator::ring_reduce_scatter(const torch::Tensor& input, const std:
   int64_t largest = 0;
   for (int i = 0; i < n; ++i) largest = std::max(largest, bounds[i + 1] - bounds[i]);
   // Each step moves its segment in chunks and sums every chunk right after it arrives, while it
-  // is still in cache: received data never makes a round trip through memory. Partial sums (rings
-  // longer than two) need whole segments. The scratch is kept between calls, since fresh pages
+  // is still in cache, instead of writing a whole segment to memory and reading it back for the
+  // sum. Partial sums (rings longer than two) need whole segments. The scratch is kept between calls, since fresh pages
   // for every large call cost more than the copy itself.
   const int64_t chunk = std::max<int64_t>(1, kRingChunkBytes / input.element_size());
   const int64_t partial_len = n > 2 ? largest : 0;
