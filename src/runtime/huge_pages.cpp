@@ -7,7 +7,6 @@
 
 #include <sys/mman.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <mutex>
 
@@ -31,8 +30,6 @@
 
 namespace ztrain::detail {
 namespace {
-
-std::atomic<bool> g_installed{false};
 
 void free_huge(void* p) { std::free(p); }
 
@@ -66,10 +63,7 @@ void install_huge_page_allocator() {
     // Lives for the process: libtorch keeps a plain pointer to it, and tensors may outlive main.
     static HugePageAllocator allocator(c10::GetCPUAllocator());
     c10::SetCPUAllocator(&allocator, /*priority=*/1);
-    g_installed = true;
   });
 }
-
-bool huge_page_allocator_installed() { return g_installed.load(); }
 
 }  // namespace ztrain::detail

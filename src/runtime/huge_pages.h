@@ -14,7 +14,4 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 /// process-wide; tensors allocated either way stay valid.
 void install_huge_page_allocator();
 
-/// Whether install_huge_page_allocator() ran in this process.
-bool huge_page_allocator_installed();
-
 }  // namespace ztrain::detail
