@@ -20,6 +20,9 @@
 //   memcpy = S / t_copy, where every rank at once copies S bytes between two preallocated
 //   buffers of its own (timed like a collective: barrier first, max over ranks). S is counted
 //   once, not as read plus write: it is the rate at which one core copies.
+// Buffers: host-shared (ztrain::host_shared_empty) by default, so that ranks on one host read
+// each other's buffers in place; --buffers private measures the transport with ordinary tensors.
+// The "shm" column says whether the timed calls took the host-shared path.
 #include <ztrain/ztrain.h>
 
 #include <CLI/CLI.hpp>
@@ -68,6 +71,7 @@ struct BenchOptions {
   int warmup = 3;
   int min_iters = 5;
   int max_iters = 10000;
+  std::string buffers = "host-shared";
   std::optional<std::string> json;
 };
 
@@ -82,6 +86,7 @@ struct Result {
   int64_t bytes = 0;  // S actually moved (rounded to whole floats per rank)
   Timing time, copy;
   double algbw = 0, busbw = 0, memcpy_bw = 0;
+  bool host_shared = false;  // the timed calls read the peers' buffers directly
   double ratio() const { return busbw / memcpy_bw; }
 };
 
@@ -153,13 +158,16 @@ std::optional<std::string> compare(const torch::Tensor& got, const torch::Tensor
                   want[i].item<float>());
 }
 
-Collective make_collective(const std::string& op, Communicator& comm, int64_t size) {
+Collective make_collective(const std::string& op, Communicator& comm, int64_t size, const std::string& buffers) {
   const int n = comm.size(), r = comm.rank();
+  auto buffer = [&](int64_t numel) {
+    return buffers == "host-shared" ? ztrain::host_shared_empty({numel}) : torch::empty({numel});
+  };
   const int64_t shard = size / static_cast<int64_t>(sizeof(float)) / n;  // floats per rank
   const float rank_sum = n * (n + 1) / 2.0f;  // rank q contributes (q + 1) * pattern
   Collective c;
   if (op == "all_reduce") {
-    auto x = torch::empty({shard * n});
+    auto x = buffer(shard * n);
     c.bytes = x.nbytes();
     c.call = [&comm, x] { comm.all_reduce(x, ReduceOp::kSum); };
     c.check = [&comm, x, r, rank_sum] {
@@ -170,8 +178,8 @@ Collective make_collective(const std::string& op, Communicator& comm, int64_t si
       return error;
     };
   } else if (op == "all_gather" || op == "all_gather_in_place") {
-    auto out = torch::empty({shard * n});
-    auto in = op == "all_gather" ? torch::empty({shard}) : out.narrow(0, r * shard, shard);
+    auto out = buffer(shard * n);
+    auto in = op == "all_gather" ? buffer(shard) : out.narrow(0, r * shard, shard);
     c.bytes = out.nbytes();
     c.call = [&comm, in, out] { comm.all_gather(in, out); };
     c.check = [&comm, in, out, n, r] {
@@ -184,7 +192,7 @@ Collective make_collective(const std::string& op, Communicator& comm, int64_t si
     };
   } else {
     ZTRAIN_INTERNAL_ASSERT(op == "reduce_scatter", "unknown op ", op);
-    auto in = torch::empty({shard * n}), out = torch::empty({shard});
+    auto in = buffer(shard * n), out = buffer(shard);
     c.bytes = in.nbytes();
     c.call = [&comm, in, out] { comm.reduce_scatter(in, out, ReduceOp::kSum); };
     c.check = [&comm, in, out, r, rank_sum] {
@@ -216,7 +224,9 @@ Result bench(Communicator& comm, const BenchOptions& o, const std::string& op, i
   r.bytes = c.bytes;
   auto src = torch::ones({c.bytes}, torch::kUInt8), dst = torch::empty({c.bytes}, torch::kUInt8);
   r.copy = measure(comm, o, [&] { std::memcpy(dst.data_ptr(), src.data_ptr(), c.bytes); });
+  const auto shared_before = comm.stats().host_shared_calls;
   r.time = measure(comm, o, c.call);
+  r.host_shared = comm.stats().host_shared_calls > shared_before;
   r.memcpy_bw = r.bytes / r.copy.median;
   r.algbw = r.bytes / r.time.median;
   r.busbw = r.algbw * bus_factor(op, comm.size());
@@ -284,7 +294,8 @@ void print_configuration(ztrain::Runtime& rt, const BenchOptions& o) {
   std::printf(
       "# comm_bench: ztrain %s, libtorch %s, %s\n"
       "# ranks %d on %s; %d core(s) usable by rank 0; intra-op threads per rank %d\n"
-      "# dtype float32, reduce op sum; timeout %.0f s; debug collectives %s; load average %.2f at start\n"
+      "# dtype float32, reduce op sum; buffers %s; timeout %.0f s; debug collectives %s; load average %.2f at "
+      "start\n"
       "# environment: %s\n"
       "# ops %s; sizes %s .. %s (x4); target %.2f s per op and size; warm-up %d; iterations %d..%d\n"
       "# time: one call, barrier before each, max over ranks; median and p10/p90 over iterations\n"
@@ -297,23 +308,24 @@ void print_configuration(ztrain::Runtime& rt, const BenchOptions& o) {
       "#          timed like the collectives; S counted once (not read + write): one core's copy "
       "rate\n",
       ZTRAIN_VERSION, TORCH_VERSION, mpi_library().c_str(), rt.world_size(), host_list.c_str(),
-      usable_cores(), rt.threads(), rt.timeout().count() / 1000.0, rt.debug_collectives() ? "on" : "off",
+      usable_cores(), rt.threads(), o.buffers.c_str(), rt.timeout().count() / 1000.0, rt.debug_collectives() ? "on" : "off",
       load_average(), environment_settings().c_str(), ops.c_str(), human(o.min_bytes).c_str(),
       human(o.max_bytes).c_str(), o.target_seconds, o.warmup, o.min_iters, o.max_iters);
 }
 
 void print_header(const std::string& op, int ranks) {
-  std::printf("\n# %s, %d ranks, %s\n%12s %9s %7s %10s %10s %10s %8s %8s %8s %7s\n", op.c_str(), ranks,
-              op == "all_reduce" || op == "all_gather_in_place" ? "in place" : "out of place", "bytes", "size", "iters", "time_us", "p10_us",
-              "p90_us", "algbw", "busbw", "memcpy", "bus/cpy");
+  std::printf("\n# %s, %d ranks, %s\n%12s %9s %7s %10s %10s %10s %8s %8s %8s %7s %4s\n", op.c_str(), ranks,
+              op == "all_reduce" || op == "all_gather_in_place" ? "in place" : "out of place", "bytes", "size",
+              "iters", "time_us", "p10_us", "p90_us", "algbw", "busbw", "memcpy", "bus/cpy", "shm");
   std::printf("%12s %9s %7s %10s %10s %10s %8s %8s %8s %7s\n", "", "", "", "median", "", "", "GB/s", "GB/s",
               "GB/s", "");
 }
 
 void print_row(const Result& r) {
-  std::printf("%12lld %9s %7d %10.1f %10.1f %10.1f %8.3f %8.3f %8.3f %7.3f\n",
+  std::printf("%12lld %9s %7d %10.1f %10.1f %10.1f %8.3f %8.3f %8.3f %7.3f %4s\n",
               static_cast<long long>(r.bytes), human(r.size).c_str(), r.time.iters, r.time.median * 1e6,
-              r.time.p10 * 1e6, r.time.p90 * 1e6, r.algbw / kGB, r.busbw / kGB, r.memcpy_bw / kGB, r.ratio());
+              r.time.p10 * 1e6, r.time.p90 * 1e6, r.algbw / kGB, r.busbw / kGB, r.memcpy_bw / kGB, r.ratio(),
+              r.host_shared ? "yes" : "no");
   std::fflush(stdout);
 }
 
@@ -322,8 +334,10 @@ nlohmann::json to_json(const Timing& t) {
           {"p90_s", t.p90},   {"min_s", t.min},       {"max_s", t.max}};
 }
 
-nlohmann::json to_json(const Result& r, int ranks) {
+nlohmann::json to_json(const Result& r, int ranks, const std::string& buffers) {
   return {{"op", r.op},
+          {"buffers", buffers},
+          {"host_shared_path", r.host_shared},
           {"ranks", ranks},
           {"dtype", "float32"},
           {"size", r.size},
@@ -387,6 +401,9 @@ std::optional<int> parse(int argc, char** argv, int rank, int ranks, BenchOption
   app.add_option("--max-iters", o.max_iters, "most timed calls")
       ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
+  app.add_option("--buffers", o.buffers, "host-shared (peers on one host read them in place) or private")
+      ->check(CLI::IsMember({"host-shared", "private"}))
+      ->capture_default_str();
   app.add_option("--json", o.json, "also write the results to FILE as JSON lines")->type_name("FILE");
   try {
     app.parse(argc, argv);
@@ -426,12 +443,12 @@ int main(int argc, char** argv) {
     for (const auto& op : o.ops) {
       if (root) print_header(op, rt.world_size());
       for (int64_t size = o.min_bytes; size <= o.max_bytes; size *= 4) {
-        const auto c = make_collective(op, comm, size);
+        const auto c = make_collective(op, comm, size, o.buffers);
         if (!verified(comm, c, op, size)) return 1;
         results.push_back(bench(comm, o, op, size, c));
         if (root) {
           print_row(results.back());
-          if (json.is_open()) json << to_json(results.back(), rt.world_size()).dump() << '\n' << std::flush;
+          if (json.is_open()) json << to_json(results.back(), rt.world_size(), o.buffers).dump() << '\n' << std::flush;
         }
       }
     }

@@ -3,6 +3,7 @@
 #include "test_util.h"
 
 #include <ztrain/comm/communicator.h>
+#include <ztrain/comm/host_shared.h>
 #include <ztrain/comm/mpi/communicator.h>
 
 using ztrain::ReduceOp;
@@ -53,6 +54,11 @@ std::vector<ReduceOp> ops_for(c10::ScalarType dtype) {
   return {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin};
 }
 
+// Where a check puts the buffers that peers read: left as allocated, or in host-shared memory.
+using Place = torch::Tensor (*)(const torch::Tensor&);
+torch::Tensor as_is(const torch::Tensor& t) { return t; }
+torch::Tensor host_shared(const torch::Tensor& t) { return ztrain::host_shared_empty(t.sizes(), t.options()).copy_(t); }
+
 std::string label(c10::ScalarType dtype, int64_t n, const char* extra = "") {
   return c10::str(dtype, " n=", n, " ", extra);
 }
@@ -60,11 +66,11 @@ std::string label(c10::ScalarType dtype, int64_t n, const char* extra = "") {
 
 // The checks take the communicator and sizes so they can run on the default communicator (MPI's
 // collectives below the ring threshold, rings above it) and on ones forced to either path.
-void check_all_reduce(ztrain::Communicator& c, const std::vector<int64_t>& sizes) {
+void check_all_reduce(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = as_is) {
   for (auto dtype : kDtypes) {
     for (auto n : sizes) {
       for (auto op : ops_for(dtype)) {
-        auto t = input_of(c.rank(), dtype, n);
+        auto t = place(input_of(c.rank(), dtype, n));
         c.all_reduce(t, op);
         auto expected = reference_reduce(dtype, n, op, c.size());
         // kAvg divides in the dtype: the quotient is exact to the dtype's rounding.
@@ -76,10 +82,10 @@ void check_all_reduce(ztrain::Communicator& c, const std::vector<int64_t>& sizes
   }
 }
 
-void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes) {
+void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = as_is) {
   for (auto dtype : kDtypes) {
     for (auto n : sizes) {
-      auto in = input_of(c.rank(), dtype, n);
+      auto in = place(input_of(c.rank(), dtype, n));
       auto out = torch::empty({n * c.size()}, in.options());
       c.all_gather(in, out);
       std::vector<torch::Tensor> parts;
@@ -90,11 +96,11 @@ void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes
   }
 }
 
-void check_reduce_scatter(ztrain::Communicator& c, const std::vector<int64_t>& sizes) {
+void check_reduce_scatter(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = as_is) {
   for (auto dtype : kDtypes) {
     for (auto n : sizes) {
       for (auto op : ops_for(dtype)) {
-        auto in = input_of(c.rank(), dtype, n * c.size());
+        auto in = place(input_of(c.rank(), dtype, n * c.size()));
         auto out = torch::empty({n}, in.options());
         c.reduce_scatter(in, out, op);
         auto expected = reference_reduce(dtype, n, op, c.size(), input_of, c.rank() * n);
@@ -129,6 +135,50 @@ TEST(Communicator, MpiCollectivesAtLargeSizes) {
   check_all_reduce(mpi, {1 << 20});
   check_all_gather(mpi, {1 << 20});
   check_reduce_scatter(mpi, {1 << 20});
+}
+
+TEST(Communicator, HostSharedBuffersAreReadInPlace) {
+  // From the first byte on, so that every size below takes the host-shared path; 1 << 20
+  // elements exercise the streaming kernels.
+  auto c = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "shared", .timeout = world().timeout(),
+                                                    .ring_threshold_bytes = 1});
+  const std::vector<int64_t> sizes = {0, 1, 2, 3, 17, 1023, 2 * 65536 + 1, 1 << 20};
+  check_all_reduce(c, sizes, host_shared);
+  check_all_gather(c, sizes, host_shared);
+  check_reduce_scatter(c, sizes, host_shared);
+  // Every call with data took the path, on every rank (none at all on one rank): 7 sizes with
+  // data × (28 dtype-op pairs of all_reduce + 8 dtypes × 2 all_gathers + 28 of reduce_scatter).
+  EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 7 * (28 + 16 + 28) : 0);
+}
+
+TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
+  auto c = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "mixed", .timeout = world().timeout(),
+                                                    .ring_threshold_bytes = 1});
+  // Rank 0's buffers are private: every rank must take the transport, and agree on it.
+  Place place = c.rank() == 0 ? as_is : host_shared;
+  check_all_reduce(c, {1023}, place);
+  check_all_gather(c, {1023}, place);
+  check_reduce_scatter(c, {1023}, place);
+  EXPECT_EQ(c.stats().host_shared_calls, 0);
+  // Switched off, shared buffers everywhere take the transport too.
+  auto off = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "off", .timeout = world().timeout(),
+                                                      .ring_threshold_bytes = 1, .host_shared = false});
+  check_all_reduce(off, {1023}, host_shared);
+  EXPECT_EQ(off.stats().host_shared_calls, 0);
+}
+
+TEST(Communicator, HostSharedAllGatherInPlace) {
+  auto& c = world();
+  const int64_t n = 1 << 18;  // 1 MiB per rank: above the default threshold
+  auto out = ztrain::host_shared_empty({n * c.size()}, torch::kFloat32).fill_(-1);
+  auto own = out.narrow(0, c.rank() * n, n);
+  own.copy_(input_of(c.rank(), torch::kFloat32, n));
+  auto before = c.stats().host_shared_calls;
+  c.all_gather(own, out);
+  std::vector<torch::Tensor> parts;
+  for (int r = 0; r < c.size(); ++r) parts.push_back(input_of(r, torch::kFloat32, n));
+  EXPECT_TRUE(tensors_equal(out, torch::cat(parts)));
+  EXPECT_EQ(c.stats().host_shared_calls - before, c.size() > 1 ? 1 : 0);
 }
 
 TEST(Communicator, SixteenBitSumsRoundLikeTheirDtype) {

@@ -4,4 +4,5 @@
 #include <ztrain/comm/comm_stream.h>
 #include <ztrain/comm/communicator.h>
 #include <ztrain/comm/functional.h>
+#include <ztrain/comm/host_shared.h>
 #include <ztrain/comm/work.h>

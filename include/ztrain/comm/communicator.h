@@ -47,6 +47,8 @@ struct CommStats {
   int64_t broadcast_bytes = 0;
   int64_t send_bytes = 0;
   int64_t calls = 0;
+  /// Collectives that read the members' host-shared buffers directly (comm/host_shared.h).
+  int64_t host_shared_calls = 0;
   int64_t total_bytes() const {
     return all_reduce_bytes + all_gather_bytes + reduce_scatter_bytes + broadcast_bytes +
            send_bytes;

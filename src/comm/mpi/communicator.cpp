@@ -1,10 +1,13 @@
 #include <ztrain/comm/mpi/communicator.h>
 
+#include "../host_shared_detail.h"
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <climits>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -237,6 +240,12 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, MpiCommunicatorOptions options)
   MPI_Group_translate_ranks(group, size_, ranks.data(), world_group, world_ranks_.data());
   MPI_Group_free(&group);
   MPI_Group_free(&world_group);
+  MPI_Comm host = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host), "MPI_Comm_split_type", -1);
+  int host_size = 0;
+  MPI_Comm_size(host, &host_size);
+  MPI_Comm_free(&host);
+  host_local_ = host_size == size_;
   (void)custom_ops();
 }
 
@@ -431,6 +440,137 @@ void MpiCommunicator::ring_all_gather(const torch::Tensor& output, const std::ve
   }
 }
 
+// ---- host-shared buffers ---------------------------------------------------------------------
+//
+// When every member's buffer is host-shared (comm/host_shared.h), a collective takes three
+// steps. The members exchange the names of their buffers, which also tells each that the others
+// have arrived with their inputs ready; each maps the others' buffers and all agree that every
+// mapping worked. Each then reads what it needs straight from the members' buffers. A closing
+// barrier keeps every buffer alive and unchanged until all members have finished reading it.
+// all_reduce has a barrier in the middle as well: member r sums segment r over all buffers into
+// its own, then copies every other finished segment q from member q. Each member starts at a
+// different peer, so that no buffer is read by all members at once.
+
+namespace {
+
+// Below this, reductions go through libtorch in chunks this size (kept in cache between the
+// steps of a sum over more than two members).
+constexpr int64_t kReduceChunkBytes = int64_t{256} << 10;
+
+torch::Tensor view_of(const char* data, int64_t numel, c10::ScalarType dtype) {
+  return torch::from_blob(const_cast<char*>(data), {numel}, torch::dtype(dtype));
+}
+
+}  // namespace
+
+std::vector<const char*> MpiCommunicator::map_members(const torch::Tensor& shared, const char* call) {
+  if (!host_local_ || size_ == 1) return {};
+  struct Entry {
+    int32_t shared = 0;
+    detail::SharedRange range;
+  };
+  Entry mine;
+  if (auto range = options_.host_shared ? detail::find_host_shared(shared.data_ptr(), shared.nbytes())
+                                        : std::nullopt) {
+    mine = {1, *range};
+  }
+  std::vector<Entry> all(size_);
+  MPI_Request req;
+  check_mpi(MPI_Iallgather(&mine, sizeof(Entry), MPI_BYTE, all.data(), sizeof(Entry), MPI_BYTE, comm_, &req),
+            call, -1);
+  wait(req, call, -1);
+  if (!std::all_of(all.begin(), all.end(), [](const Entry& e) { return e.shared; })) return {};
+  std::vector<const char*> members(size_);
+  int32_t mapped = 1;
+  std::string error;
+  for (int m = 0; m < size_ && mapped; ++m) {
+    members[m] = m == rank_ ? static_cast<const char*>(shared.data_ptr()) : detail::map_host_shared(all[m].range, error);
+    mapped = members[m] != nullptr;
+  }
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, &mapped, 1, MPI_INT32_T, MPI_MIN, comm_, &req), call, -1);
+  wait(req, call, -1);
+  if (mapped) return members;
+  // Correct either way, only slower: said once, not for every call.
+  static std::once_flag once;
+  if (!error.empty()) {
+    std::call_once(once, [&] {
+      std::cerr << "ztrain: " << call << " on communicator '" << name() << "' cannot read a peer's host-shared "
+                << "buffer (" << error << "); collectives on host-shared buffers take the transport instead"
+                << std::endl;
+    });
+  }
+  return {};
+}
+
+void MpiCommunicator::reduce_members(const torch::Tensor& dst, const std::vector<const char*>& members,
+                                     int64_t offset, ReduceOp op) {
+  const auto dtype = dst.scalar_type();
+  const int64_t bytes_offset = offset * dst.element_size();
+  std::vector<const char*> sources(size_);
+  for (int k = 0; k < size_; ++k) sources[k] = members[(rank_ + k) % size_] + bytes_offset;
+  if (dtype == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
+    detail::stream_sum(dst.data_ptr<float>(), reinterpret_cast<const float* const*>(sources.data()), size_,
+                       dst.numel());
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, kReduceChunkBytes / dst.element_size());
+  for (int64_t at = 0; at < dst.numel(); at += chunk) {
+    const int64_t len = std::min(chunk, dst.numel() - at);
+    auto out = dst.narrow(0, at, len);
+    const int64_t skip = at * dst.element_size();
+    combine(out, view_of(sources[0] + skip, len, dtype), view_of(sources[1] + skip, len, dtype), op);
+    for (int k = 2; k < size_; ++k) combine(out, out, view_of(sources[k] + skip, len, dtype), op);
+  }
+}
+
+void MpiCommunicator::shared_barrier(const char* call) {
+  MPI_Request req;
+  check_mpi(MPI_Ibarrier(comm_, &req), call, -1);
+  wait(req, call, -1);
+}
+
+bool MpiCommunicator::host_shared_all_gather(const torch::Tensor& input, const torch::Tensor& output,
+                                             bool in_place, const char* call) {
+  const auto members = map_members(input, call);
+  if (members.empty()) return false;
+  const auto slice = input.nbytes();
+  auto* out = static_cast<char*>(output.data_ptr());
+  for (int k = 1; k <= size_; ++k) {
+    const int m = (rank_ + k) % size_;
+    if (m != rank_ || !in_place) detail::stream_copy(out + m * slice, members[m], slice);
+  }
+  shared_barrier(call);
+  ++stats_.host_shared_calls;
+  return true;
+}
+
+bool MpiCommunicator::host_shared_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output,
+                                                 ReduceOp op, const char* call) {
+  const auto members = map_members(input, call);
+  if (members.empty()) return false;
+  reduce_members(output.view(-1), members, rank_ * output.numel(), op);
+  shared_barrier(call);
+  ++stats_.host_shared_calls;
+  return true;
+}
+
+bool MpiCommunicator::host_shared_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call) {
+  const auto members = map_members(flat, call);
+  if (members.empty()) return false;
+  const auto bounds = even_bounds(flat.numel(), size_);
+  reduce_members(segment(flat, bounds, rank_), members, bounds[rank_], op);
+  shared_barrier(call);
+  auto* out = static_cast<char*>(flat.data_ptr());
+  const int64_t size = flat.element_size();
+  for (int k = 1; k < size_; ++k) {
+    const int m = (rank_ + k) % size_;
+    detail::stream_copy(out + bounds[m] * size, members[m] + bounds[m] * size, (bounds[m + 1] - bounds[m]) * size);
+  }
+  shared_barrier(call);
+  ++stats_.host_shared_calls;
+  return true;
+}
+
 // ---- collectives ---------------------------------------------------------------------------
 
 void MpiCommunicator::all_reduce(const torch::Tensor& tensor, ReduceOp op) {
@@ -439,7 +579,9 @@ void MpiCommunicator::all_reduce(const torch::Tensor& tensor, ReduceOp op) {
   MPI_Op mop = mpi_op(tensor.scalar_type(), op, kCall);
   begin({kAllReduce, static_cast<int32_t>(tensor.scalar_type()), tensor.numel(), static_cast<int64_t>(op)});
   stats_.all_reduce_bytes += tensor.nbytes();
-  if (use_ring(tensor.nbytes()) && tensor.numel() >= size_) {
+  if (use_ring(tensor.nbytes()) && host_shared_all_reduce(tensor.view(-1), op, kCall)) {
+    // Done by reading the members' buffers.
+  } else if (use_ring(tensor.nbytes()) && tensor.numel() >= size_) {
     // Reduce-scatter into this rank's segment (in place), then all-gather the segments.
     auto flat = tensor.view(-1);
     auto bounds = even_bounds(flat.numel(), size_);
@@ -475,6 +617,7 @@ void MpiCommunicator::all_gather(const torch::Tensor& input, const torch::Tensor
     return;
   }
   if (use_ring(output.nbytes())) {
+    if (host_shared_all_gather(input, output, in_place, kCall)) return;
     ring_all_gather(output.view(-1), even_bounds(output.numel(), size_), input, kCall);
     return;
   }
@@ -502,7 +645,9 @@ void MpiCommunicator::reduce_scatter(const torch::Tensor& input, const torch::Te
   if (size_ == 1) {
     output.copy_(input.view_as(output));
   } else if (use_ring(input.nbytes())) {
-    ring_reduce_scatter(input.view(-1), even_bounds(input.numel(), size_), output.view(-1), op, kCall);
+    if (!host_shared_reduce_scatter(input, output, op, kCall)) {
+      ring_reduce_scatter(input.view(-1), even_bounds(input.numel(), size_), output.view(-1), op, kCall);
+    }
   } else {
     MPI_Request req;
     check_mpi(MPI_Ireduce_scatter_block(input.data_ptr(), output.data_ptr(), count(output),

@@ -7,7 +7,8 @@
 /// custom MPI operations for bf16 and f16 that form each pairwise result in fp32 and round to
 /// nearest even. From `ring_threshold_bytes` on, all_gather, reduce_scatter and all_reduce run
 /// as bandwidth-optimal rings of MPI_Isend/MPI_Irecv between neighbours, reducing with
-/// libtorch's kernels (same rounding); on one host each hop is a single copy (CMA).
+/// libtorch's kernels (same rounding); on one host each hop is a single copy (CMA). Where every
+/// member's buffer is host-shared, they skip the transport altogether (see host_shared.h).
 ///
 /// Point-to-point tags must lie in [0, kMaxUserTag]; the tag above is reserved for the rings.
 /// Ring reduce-scatter passes segments in 256 KiB chunks, each summed as soon as it arrives, and
@@ -35,6 +36,10 @@ struct MpiCommunicatorOptions {
   /// Messages of at least this many bytes (the full buffer: all_reduce's tensor, all_gather's
   /// output, reduce_scatter's input) use the ring algorithms.
   int64_t ring_threshold_bytes = 256 * 1024;
+  /// From the same size on, when every member runs on this host and its buffer is host-shared
+  /// (comm/host_shared.h), all_gather, reduce_scatter and all_reduce read the members' buffers
+  /// directly instead of passing them around the ring.
+  bool host_shared = true;
 };
 
 /// Largest tag send() and recv() accept.
@@ -94,6 +99,20 @@ class MpiCommunicator final : public Communicator {
   torch::Tensor scratch_for(c10::ScalarType dtype, int64_t numel);
   void ring_all_gather(const torch::Tensor& output, const std::vector<int64_t>& bounds,
                        const torch::Tensor& own_input, const char* call);
+  // Every member's address of its `shared` buffer (this rank's own at its index), or empty on
+  // every member when any member's is not host-shared or cannot be mapped here.
+  std::vector<const char*> map_members(const torch::Tensor& shared, const char* call);
+  // dst = the reduction over members m = rank, rank+1, ... of members[m]'s elements
+  // [offset, offset + dst.numel()); dst may be this rank's own range.
+  void reduce_members(const torch::Tensor& dst, const std::vector<const char*>& members, int64_t offset,
+                      ReduceOp op);
+  void shared_barrier(const char* call);
+  // Each returns false, having moved nothing, where map_members finds no shared buffers.
+  bool host_shared_all_gather(const torch::Tensor& input, const torch::Tensor& output, bool in_place,
+                              const char* call);
+  bool host_shared_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op,
+                                  const char* call);
+  bool host_shared_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
   void check_mpi(int code, const char* op, int peer);
   [[noreturn]] void fail(const std::string& what, const char* op, int peer);
 
@@ -102,6 +121,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0;
   int size_ = 1;
   int world_rank_ = 0;
+  bool host_local_ = false;   // every member runs on this host
   std::vector<int> world_ranks_;
   int64_t sequence_ = 0;      // collectives issued, for debug messages
   std::string failure_;       // non-empty once a call failed: the communicator is unusable

@@ -1,0 +1,32 @@
+#pragma once
+/// Host-shared tensors: CPU memory that the other ranks on the same host can map.
+///
+/// When every member of a communicator runs on one host and every member's buffer that peers
+/// must read was allocated here (all_gather's input, reduce_scatter's input, all_reduce's
+/// tensor), the large collectives skip the transport: each rank reads its peers' buffers in
+/// place and copies or sums them straight into its result, one pass over memory instead of a
+/// transfer into scratch and a second pass. Any other case (ranks on several hosts, a buffer
+/// from another allocator on any rank, a kernel that refuses to map another process's memory)
+/// takes the ordinary path; the ranks agree on the path at every call, so mixing is safe.
+/// Results equal the ordinary path's up to the order of floating-point sums.
+///
+/// Allocation is local (not collective) and thread-safe. The memory is released when the last
+/// tensor or view of it goes, in peers as well: a peer that mapped a block unmaps it at its next
+/// collective after the owner frees it. Use it for buffers that live long and are communicated
+/// often (flat gradients, gathered parameters); each allocation is a separate kernel object.
+///
+///   auto grads = ztrain::host_shared_empty({numel}, torch::kFloat32);
+///   dp.reduce_scatter(grads, shard, ztrain::ReduceOp::kAvg);  // reads the peers' grads in place
+
+#include <torch/types.h>
+
+namespace ztrain {
+
+/// An uninitialised CPU tensor in host-shared memory. `options` must be CPU (the default) and
+/// strided; the tensor is contiguous.
+torch::Tensor host_shared_empty(at::IntArrayRef sizes, const torch::TensorOptions& options = {});
+
+/// True when `tensor` views memory from host_shared_empty (false for no memory at all).
+bool is_host_shared(const torch::Tensor& tensor);
+
+}  // namespace ztrain

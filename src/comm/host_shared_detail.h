@@ -1,0 +1,41 @@
+#pragma once
+// What the communicator needs from host-shared memory (host_shared.cpp): naming a range so that
+// a peer process can map it, mapping peers' ranges, and the copy and sum kernels that stream
+// results to memory.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace ztrain::detail {
+
+/// A byte range inside one host-shared block, named so that another process on the host can map
+/// it. Plain data: ranks exchange it as bytes.
+struct SharedRange {
+  int32_t pid = 0;           // owner process
+  int32_t block_fd = -1;     // the block's memory file in the owner
+  int32_t directory_fd = -1; // the owner's directory of live blocks
+  int32_t slot = -1;         // the block's entry in that directory
+  uint64_t id = 0;           // unique among the owner's blocks, never reused
+  uint64_t block_bytes = 0;
+  uint64_t offset = 0;       // of the range within the block
+};
+
+/// The range [data, data + bytes) if it lies inside one live host-shared block of this process.
+std::optional<SharedRange> find_host_shared(const void* data, size_t bytes);
+
+/// The first byte of a peer's `range`, mapped read-only into this process, or nullptr with the
+/// reason in `error`. Mappings are kept while the owner keeps the block; each call first unmaps
+/// the blocks that owner has freed since. Thread-safe.
+const char* map_host_shared(const SharedRange& range, std::string& error);
+
+/// memcpy for large copies whose destination is not read again soon: non-temporal stores,
+/// several pages in flight. Any size and alignment.
+void stream_copy(void* dst, const void* src, size_t bytes);
+
+/// dst[i] = srcs[0][i] + srcs[1][i] + ... + srcs[n-1][i], summed in that order and stored
+/// non-temporally. dst may be srcs[0]; n >= 1.
+void stream_sum(float* dst, const float* const* srcs, int n, int64_t count);
+
+}  // namespace ztrain::detail

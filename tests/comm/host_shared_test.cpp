@@ -1,0 +1,114 @@
+// Host-shared memory: allocation, the streaming kernels against scalar references, and peers
+// letting go of blocks their owner freed. The collectives on host-shared buffers are checked
+// against references in communicator_test.
+#include "test_util.h"
+
+#include "../../src/comm/host_shared_detail.h"
+
+#include <ztrain/comm/host_shared.h>
+
+#include <fstream>
+#include <numeric>
+
+using ztrain::test::error_message;
+
+namespace {
+
+// Mappings of host-shared blocks in this process: its own and the peers' it has mapped.
+int host_shared_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) n += line.find("ztrain-host-shared") != std::string::npos;
+  return n;
+}
+
+const std::vector<size_t> kCopyBytes = {0, 1, 63, 64, 4095, (256 << 10) - 1, (256 << 10) + 13, (1 << 20) + 77,
+                                        (4 << 20) + 4096 * 3 + 5};
+
+}  // namespace
+
+TEST(HostShared, TensorsAreContiguousCpuAndRecognised) {
+  auto t = ztrain::host_shared_empty({3, 5}, torch::dtype(torch::kFloat64).requires_grad(true));
+  EXPECT_EQ(t.sizes(), (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(t.scalar_type(), torch::kFloat64);
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_TRUE(t.requires_grad());
+  EXPECT_TRUE(ztrain::is_host_shared(t));
+  EXPECT_TRUE(ztrain::is_host_shared(t.detach().narrow(0, 1, 2)));
+  EXPECT_FALSE(ztrain::is_host_shared(torch::empty({3, 5})));
+  EXPECT_FALSE(ztrain::is_host_shared(ztrain::host_shared_empty({0})));
+  EXPECT_FALSE(ztrain::is_host_shared(torch::Tensor()));
+  auto msg = error_message([] { ztrain::host_shared_empty({2}, torch::device(torch::kCUDA)); });
+  EXPECT_NE(msg.find("CPU memory"), std::string::npos) << msg;
+}
+
+TEST(HostShared, FreedBlocksAreNoLongerRecognised) {
+  const void* data = nullptr;
+  {
+    auto t = ztrain::host_shared_empty({1024});
+    data = t.data_ptr();
+    EXPECT_TRUE(ztrain::detail::find_host_shared(data, 4096).has_value());
+    EXPECT_FALSE(ztrain::detail::find_host_shared(data, 4097).has_value());  // past the block
+  }
+  EXPECT_FALSE(ztrain::detail::find_host_shared(data, 1).has_value());
+}
+
+TEST(HostShared, StreamCopyEqualsMemcpy) {
+  for (size_t bytes : kCopyBytes) {
+    for (size_t misalign : {0, 1, 60}) {
+      std::vector<uint8_t> src(bytes + 64), dst(bytes + 64, 0xAB);
+      std::iota(src.begin(), src.end(), static_cast<uint8_t>(bytes));
+      ztrain::detail::stream_copy(dst.data() + misalign, src.data() + 3, bytes);
+      ASSERT_EQ(std::memcmp(dst.data() + misalign, src.data() + 3, bytes), 0) << bytes << " bytes at +" << misalign;
+      EXPECT_EQ(dst[misalign + bytes], 0xAB) << "wrote past the end: " << bytes << " bytes at +" << misalign;
+      if (misalign > 0) EXPECT_EQ(dst[misalign - 1], 0xAB) << "wrote before the start";
+    }
+  }
+}
+
+TEST(HostShared, StreamSumEqualsTheScalarSumInOrder) {
+  for (int n : {1, 2, 3, 4}) {
+    for (int64_t count : {0, 1, 3, 5, 17, 65536 + 3, 262144 + 1}) {
+      for (int64_t misalign : {0, 1, 3}) {
+        std::vector<torch::Tensor> srcs;
+        std::vector<const float*> ptrs;
+        for (int k = 0; k < n; ++k) {
+          // Values of very different magnitudes: any other summation order rounds differently.
+          srcs.push_back(torch::randn({count}, at::detail::createCPUGenerator(k)) * std::pow(1e3, k));
+          ptrs.push_back(srcs.back().data_ptr<float>());
+        }
+        auto expected = torch::empty({count});
+        for (int64_t i = 0; i < count; ++i) {
+          float acc = ptrs[0][i];
+          for (int k = 1; k < n; ++k) acc += ptrs[k][i];
+          expected.data_ptr<float>()[i] = acc;
+        }
+        auto dst = torch::empty({count + misalign}).narrow(0, misalign, count);
+        ztrain::detail::stream_sum(dst.data_ptr<float>(), ptrs.data(), n, count);
+        ASSERT_TRUE(torch::equal(dst, expected)) << n << " sources, " << count << " floats at +" << misalign;
+        // In place into the first source, as all_reduce sums its own segment.
+        auto first = srcs[0].clone();
+        ptrs[0] = first.data_ptr<float>();
+        ztrain::detail::stream_sum(first.data_ptr<float>(), ptrs.data(), n, count);
+        ASSERT_TRUE(torch::equal(first, expected)) << "in place: " << n << " sources, " << count << " floats";
+      }
+    }
+  }
+}
+
+TEST(HostShared, PeersUnmapBlocksTheirOwnerFreed) {
+  auto& c = ztrain::runtime().world();
+  auto reduce_fresh_block = [&] {
+    auto t = ztrain::host_shared_empty({1 << 16}).fill_(1);  // 256 KiB: the default threshold
+    c.all_reduce(t);
+    EXPECT_EQ(t[0].item<float>(), static_cast<float>(c.size()));
+  };
+  reduce_fresh_block();  // maps the peers' directories
+  reduce_fresh_block();
+  // Each rank freed its block, but still maps its peers' last ones: nobody has told it yet.
+  const int after_first = host_shared_mappings();
+  reduce_fresh_block();
+  // The next collective unmapped them before mapping the new ones.
+  EXPECT_EQ(host_shared_mappings(), after_first);
+  EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 3 : 0);
+}
