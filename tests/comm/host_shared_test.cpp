@@ -61,7 +61,9 @@ TEST(HostShared, StreamCopyEqualsMemcpy) {
       ztrain::detail::stream_copy(dst.data() + misalign, src.data() + 3, bytes);
       ASSERT_EQ(std::memcmp(dst.data() + misalign, src.data() + 3, bytes), 0) << bytes << " bytes at +" << misalign;
       EXPECT_EQ(dst[misalign + bytes], 0xAB) << "wrote past the end: " << bytes << " bytes at +" << misalign;
-      if (misalign > 0) EXPECT_EQ(dst[misalign - 1], 0xAB) << "wrote before the start";
+      if (misalign > 0) {
+        EXPECT_EQ(dst[misalign - 1], 0xAB) << "wrote before the start";
+      }
     }
   }
 }
