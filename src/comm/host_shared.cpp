@@ -37,6 +37,10 @@ namespace {
 
 constexpr int kSlots = 1 << 16;  // blocks beyond this many live at once are not shareable
 constexpr size_t kDirectoryBytes = kSlots * sizeof(uint64_t);
+constexpr size_t kPageBytes = 4096;
+// Freed blocks kept for reuse (see Registry::release), at most this many and bytes.
+constexpr size_t kPoolBlocks = 8;
+constexpr size_t kPoolBytes = size_t{1} << 30;
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -76,7 +80,9 @@ class Registry {
     return *registry;
   }
 
-  Block* create(size_t bytes) {
+  Block* create(size_t nbytes) {
+    const size_t bytes = (nbytes + kPageBytes - 1) / kPageBytes * kPageBytes;
+    if (Block* reused = from_pool(bytes)) return reused;
     auto block = std::make_unique<Block>();
     block->bytes = bytes;
     block->fd = create_memory_file(bytes);
@@ -99,18 +105,46 @@ class Registry {
     return block.release();
   }
 
-  void destroy(Block* block) {
+  // A freed block goes to a small pool, newest last, keeping its id and slot: the next block of
+  // the same size (the same flat gradient or gathered parameters one step later) reuses it
+  // without fresh pages to fault in and zero, and peers keep their mapping of it. The oldest
+  // pooled blocks are unmapped beyond kPoolBlocks or kPoolBytes.
+  void release(Block* block) {
+    std::vector<Block*> evicted;
     {
       std::lock_guard<std::mutex> lock(mu_);
       blocks_.erase(block->base);
-      if (block->slot >= 0) {
-        __atomic_store_n(directory_ + block->slot, uint64_t{0}, __ATOMIC_RELEASE);
-        free_slots_.push_back(block->slot);
+      pool_.push_back(block);
+      pool_bytes_ += block->bytes;
+      while (pool_.size() > kPoolBlocks || pool_bytes_ > kPoolBytes) {
+        Block* oldest = pool_.front();
+        pool_.erase(pool_.begin());
+        pool_bytes_ -= oldest->bytes;
+        if (oldest->slot >= 0) {
+          __atomic_store_n(directory_ + oldest->slot, uint64_t{0}, __ATOMIC_RELEASE);
+          free_slots_.push_back(oldest->slot);
+        }
+        evicted.push_back(oldest);
       }
     }
-    munmap(block->base, block->bytes);
-    close(block->fd);
-    delete block;
+    for (Block* b : evicted) {
+      munmap(b->base, b->bytes);
+      close(b->fd);
+      delete b;
+    }
+  }
+
+  Block* from_pool(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = pool_.rbegin(); it != pool_.rend(); ++it) {
+      if ((*it)->bytes != bytes) continue;
+      Block* block = *it;
+      pool_.erase(std::next(it).base());
+      pool_bytes_ -= bytes;
+      blocks_[block->base] = block;
+      return block;
+    }
+    return nullptr;
   }
 
   std::optional<SharedRange> find(const void* data, size_t bytes) {
@@ -136,11 +170,13 @@ class Registry {
   int directory_fd_ = -1;
   uint64_t* directory_ = nullptr;  // slot -> id of the live block there, 0 when free
   std::vector<int> free_slots_;
+  std::vector<Block*> pool_;  // freed blocks, oldest first
+  size_t pool_bytes_ = 0;
   int next_slot_ = 0;
   uint64_t last_id_ = 0;
 };
 
-void delete_block(void* block) { Registry::instance().destroy(static_cast<Block*>(block)); }
+void delete_block(void* block) { Registry::instance().release(static_cast<Block*>(block)); }
 
 class HostSharedAllocator final : public c10::Allocator {
  public:

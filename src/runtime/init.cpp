@@ -77,6 +77,12 @@ bool resolve_huge_pages(const InitOptions& o) {
   return v && *v != "0";
 }
 
+bool resolve_host_shared_buffers(const InitOptions& o) {
+  if (o.host_shared_buffers) return *o.host_shared_buffers;
+  auto v = env("ZTRAIN_HOST_SHARED_BUFFERS");
+  return !v || *v != "0";
+}
+
 int usable_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -106,7 +112,8 @@ Runtime::Runtime(const InitOptions& options)
       seed_(options.seed),
       timeout_(resolve_timeout(options)),
       debug_(resolve_debug(options)),
-      huge_pages_(resolve_huge_pages(options)) {
+      huge_pages_(resolve_huge_pages(options)),
+      host_shared_buffers_(resolve_host_shared_buffers(options)) {
   if (huge_pages_) detail::install_huge_page_allocator();
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);

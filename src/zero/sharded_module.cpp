@@ -1,6 +1,7 @@
 #include <ztrain/zero/sharded_module.h>
 
 #include <ztrain/comm/comm_stream.h>
+#include <ztrain/comm/host_shared.h>
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
 #include <ztrain/runtime/pending_updates.h>
@@ -44,6 +45,13 @@ void free_storage(const torch::Tensor& t) {
   auto* impl = t.storage().unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
   impl->set_nbytes(0);
+}
+
+/// A flat buffer for parameters or gradients: host-shared unless the runtime says otherwise, so
+/// that collectives on it read the peers' buffers in place.
+torch::Tensor flat_buffer(int64_t numel, c10::ScalarType dtype) {
+  const auto options = torch::TensorOptions().dtype(dtype);
+  return runtime().host_shared_buffers() ? host_shared_empty({numel}, options) : torch::empty({numel}, options);
 }
 
 void allocate_storage(const torch::Tensor& t) {
@@ -283,7 +291,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
                      .requires_grad = keys[g].requires_grad,
                      .tp_distinct = keys[g].tp_distinct};
     const auto& layout = group.layout;
-    group.full = torch::zeros({layout.total_numel()}, torch::TensorOptions().dtype(keys[g].dtype));
+    group.full = detail::flat_buffer(layout.total_numel(), keys[g].dtype).zero_();
     for (size_t e = 0; e < layout.entries().size(); ++e) {
       const auto& entry = layout.entries()[e];
       group.full.narrow(0, entry.offset, entry.numel).copy_(member_tensors[g][e].detach().reshape(-1));
@@ -302,7 +310,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     } else if (options_.zero_level == 1) {
       group.shard = detail::alias(group.full, begin, {end - begin});
     } else {
-      group.shard = group.full.narrow(0, begin, end - begin).clone();
+      group.shard = detail::flat_buffer(end - begin, keys[g].dtype).copy_(group.full.narrow(0, begin, end - begin));
       detail::free_storage(group.full);
     }
     context_->add_storage(group.full.storage().unsafeGetStorageImpl());
@@ -527,7 +535,7 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   std::vector<torch::Tensor> targets, flat_grads;
   for (auto& g : groups_) {
     if (!g.requires_grad) continue;
-    flat_grads.push_back(torch::zeros({g.layout.total_numel()}, g.full.options()));
+    flat_grads.push_back(detail::flat_buffer(g.layout.total_numel(), g.full.scalar_type()).zero_());
     for (size_t e = 0; e < g.params.size(); ++e) {
       const auto& entry = g.layout.entries()[e];
       g.params[e].mutable_grad() = flat_grads.back().narrow(0, entry.offset, entry.numel).view(entry.shape);

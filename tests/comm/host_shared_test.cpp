@@ -7,20 +7,12 @@
 
 #include <ztrain/comm/host_shared.h>
 
-#include <fstream>
 #include <numeric>
 
 using ztrain::test::error_message;
+using ztrain::test::peer_host_shared_mappings;
 
 namespace {
-
-// Mappings of host-shared blocks in this process: its own and the peers' it has mapped.
-int host_shared_mappings() {
-  std::ifstream maps("/proc/self/maps");
-  int n = 0;
-  for (std::string line; std::getline(maps, line);) n += line.find("ztrain-host-shared") != std::string::npos;
-  return n;
-}
 
 const std::vector<size_t> kCopyBytes = {0, 1, 63, 64, 4095, (256 << 10) - 1, (256 << 10) + 13, (1 << 20) + 77,
                                         (4 << 20) + 4096 * 3 + 5};
@@ -98,19 +90,30 @@ TEST(HostShared, StreamSumEqualsTheScalarSumInOrder) {
   }
 }
 
+TEST(HostShared, FreedBlocksOfTheSameSizeAreReused) {
+  const void* first = nullptr;
+  { first = ztrain::host_shared_empty({1000}).data_ptr(); }
+  auto again = ztrain::host_shared_empty({1000});  // the same number of pages
+  EXPECT_EQ(again.data_ptr(), first);
+  EXPECT_TRUE(ztrain::is_host_shared(again));
+}
+
 TEST(HostShared, PeersUnmapBlocksTheirOwnerFreed) {
   auto& c = ztrain::runtime().world();
-  auto reduce_fresh_block = [&] {
-    auto t = ztrain::host_shared_empty({1 << 16}).fill_(1);  // 256 KiB: the default threshold
+  auto reduce_fresh_block = [&](int64_t numel) {
+    auto t = ztrain::host_shared_empty({numel}).fill_(1);
     c.all_reduce(t);
     EXPECT_EQ(t[0].item<float>(), static_cast<float>(c.size()));
   };
-  reduce_fresh_block();  // maps the peers' directories
-  reduce_fresh_block();
-  // Each rank freed its block, but still maps its peers' last ones: nobody has told it yet.
-  const int after_first = host_shared_mappings();
-  reduce_fresh_block();
-  // The next collective unmapped them before mapping the new ones.
-  EXPECT_EQ(host_shared_mappings(), after_first);
-  EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 3 : 0);
+  reduce_fresh_block(1 << 16);  // 256 KiB, the default threshold; maps the peers' directories too
+  const int before = peer_host_shared_mappings();
+  // Push that block out of its owner's pool of freed blocks: more blocks freed than it keeps.
+  {
+    std::vector<torch::Tensor> others;
+    for (int i = 0; i < 16; ++i) others.push_back(ztrain::host_shared_empty({10}));
+  }
+  // The next collective unmaps it in the peers before mapping the new block.
+  reduce_fresh_block(1 << 17);
+  EXPECT_EQ(peer_host_shared_mappings(), before);
+  EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 2 : 0);
 }

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <string>
 
 namespace ztrain::test {
@@ -22,6 +23,17 @@ inline const std::vector<c10::ScalarType> kDtypes = {torch::kFloat32, torch::kFl
 inline int expected_world_size() {
   const char* v = std::getenv("ZTRAIN_TEST_WORLD_SIZE");
   return v ? std::atoi(v) : 1;
+}
+
+/// Mappings in this process of other processes' host-shared blocks (comm/host_shared.h): peers
+/// map them read-only, unlike their owners.
+inline int peer_host_shared_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    n += line.find("ztrain-host-shared") != std::string::npos && line.find(" r--s ") != std::string::npos;
+  }
+  return n;
 }
 
 /// Runs `fn` and returns the message of the ztrain::Error it throws; fails the test if it

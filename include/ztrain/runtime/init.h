@@ -48,6 +48,11 @@ struct InitOptions {
   /// faster, at the price of 10–20% more peak memory (docs/benchmarks.md). Process-wide, from
   /// init_distributed on. Not set: on when ZTRAIN_HUGE_PAGES is 1.
   std::optional<bool> huge_pages;
+  /// Allocate the ZeRO engine's flat buffers (parameter shards, gathered parameters, gradients)
+  /// in host-shared memory (comm/host_shared.h): where a data-parallel group shares one host,
+  /// their gathers and reductions then read the peers' buffers in place instead of sending them.
+  /// Not set: on unless ZTRAIN_HOST_SHARED_BUFFERS is 0.
+  std::optional<bool> host_shared_buffers;
 };
 
 class Runtime {
@@ -81,6 +86,7 @@ class Runtime {
   std::chrono::milliseconds timeout() const { return timeout_; }
   bool debug_collectives() const { return debug_; }
   bool huge_pages() const { return huge_pages_; }
+  bool host_shared_buffers() const { return host_shared_buffers_; }
 
  private:
   friend Runtime& init_distributed(const InitOptions&);
@@ -95,6 +101,7 @@ class Runtime {
   std::chrono::milliseconds timeout_;
   bool debug_ = false;
   bool huge_pages_ = false;
+  bool host_shared_buffers_ = true;
   std::unique_ptr<Communicator> world_, tp_, dp_, pp_, stage_;
 };
 
