@@ -25,9 +25,13 @@
 // Bytes sent are counted in MPI (bench/mpi_traffic.h) from the first timed step to the last:
 // the ZeRO engine's two stream communicators (gathers, reductions; duplicated in that order
 // when the model is built) apart from the runtime's own (the benchmark's barriers and loss).
+// Where the engine's buffers are host-shared, its large collectives read the peers' buffers in
+// place instead of sending them; those bytes are counted too (the in_place share).
 // Model-state bytes are taken after the last backward, before its optimizer step: parameters,
 // gradients and optimizer state all exist then.
 #include "mpi_traffic.h"
+
+#include "../src/comm/host_shared_detail.h"
 
 #include <ztrain/ztrain.h>
 
@@ -263,6 +267,7 @@ int run(const Args& a) {
   // Training steps.
   std::vector<double> step_s, forward_s, backward_s, optimizer_s;
   double first_loss = 0, last_loss = 0;
+  std::pair<int64_t, int64_t> read_before;  // peer_reads() at the first timed step
   zt::MemoryStats held;
   auto train_step = [&](int64_t step, bool last) {
     const auto tokens = batches.at(step);
@@ -286,7 +291,10 @@ int run(const Args& a) {
                            std::chrono::duration<double>(t2 - t1).count(), std::chrono::duration<double>(t3 - t2).count());
   };
   for (int64_t step = 0; step < warmup + steps; ++step) {
-    if (step == warmup) bench::traffic_reset();
+    if (step == warmup) {
+      bench::traffic_reset();
+      read_before = {zt::detail::peer_reads().all_gather, zt::detail::peer_reads().reduction};
+    }
     const auto [dt, loss, f, b, o] = train_step(step, step + 1 == warmup + steps);
     if (step == 0) first_loss = loss;
     last_loss = loss;
@@ -298,14 +306,20 @@ int run(const Args& a) {
     }
   }
   const auto traffic = bench::traffic();
+  const int64_t gathered_in_place = zt::detail::peer_reads().all_gather - read_before.first;
+  const int64_t reduced_in_place = zt::detail::peer_reads().reduction - read_before.second;
   if (!a.profile_path.empty()) {  // one more step, profiled on rank 0
     std::optional<torch::autograd::profiler::RecordProfile> recording;
     if (rt.rank() == 0) recording.emplace(a.profile_path);
     train_step(warmup + steps, false);
   }
 
-  // Bytes sent per step by this rank, by communicator kind.
-  json comm = {{"gather", 0}, {"reduce", 0}, {"runtime", 0}, {"native", 0}};
+  // Bytes moved per step by this rank, by communicator kind: sent through MPI or read in place.
+  json comm = {{"gather", static_cast<double>(gathered_in_place) / steps},
+               {"reduce", static_cast<double>(reduced_in_place) / steps},
+               {"runtime", 0},
+               {"native", 0},
+               {"in_place", static_cast<double>(gathered_in_place + reduced_in_place) / steps}};
   for (const auto& [c, t] : traffic) {
     const bool gather = !streams.empty() && c == streams[0], reduce = streams.size() > 1 && c == streams[1];
     const char* kind = gather ? "gather" : reduce ? "reduce" : "runtime";

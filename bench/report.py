@@ -308,10 +308,12 @@ def memory_section(rows):
 def comm_section(rows):
     out = ["### Bytes sent per step against theory", ""]
     out.append(
-        "Bytes one rank hands to MPI per training step (the max over ranks), counted inside the process "
+        "Bytes one rank moves per training step (the max over ranks), counted inside the process "
         "(`bench/mpi_traffic.h`: the MPI calls of the ZeRO engine's two stream communicators, gathers and "
         "reductions; the runtime's own communicators carry the benchmark's barriers and loss and are left out). "
-        "ztrain's collectives at or above 256 KiB are rings of point-to-point messages and are counted as sent; "
+        "ztrain's collectives at or above 256 KiB read the peers' host-shared buffers in place when the ranks share "
+        "a host (the engine's default; the bytes read are counted, the in-place column) and are otherwise rings of "
+        "point-to-point messages, counted as sent; "
         "below, MPI's own collectives run, counted at their bandwidth-optimal volume (the native column). Theory "
         "per rank: a ring all-reduce or reduce-scatter + all-gather of the Ψ·b bytes of the parameters (b bytes "
         "per element of the model dtype) sends 2·(N−1)/N·Ψb; levels 0–2 send that (the ZeRO paper's 2Ψ, its "
@@ -328,10 +330,11 @@ def comm_section(rows):
         ratio = sent / theory
         checks.append((r["model"]["preset"], r["dtype"], r["level"], n, ratio))
         body.append([r["model"]["preset"], r["dtype"], r["level"], n, fmt_mb(c["gather"]), fmt_mb(c["reduce"]),
+                     f"{100 * c.get('in_place', 0) / sent:.0f}%" if sent else "–",
                      f"{100 * c['native'] / sent:.0f}%" if sent else "–", fmt_mb(theory), f"{ratio:.3f}"])
     out += ["", configs(sel) + " The 4-rank runs: 2 timed steps after 1 warm-up."]
-    out += ["", table(["model", "dtype", "level", "ranks", "gathers MB", "reductions MB", "native", "theory MB",
-                       "÷ theory"], body)]
+    out += ["", table(["model", "dtype", "level", "ranks", "gathers MB", "reductions MB", "in place", "native",
+                       "theory MB", "÷ theory"], body)]
     bad = [c for c in checks if abs(c[4] - 1) > GOAL_COMM]
     out += ["", f"**Goal**: within {100 * GOAL_COMM:.0f}% of theory: {verdict(not bad)} "
                 f"({len(checks) - len(bad)} of {len(checks)} configurations within)."]

@@ -337,6 +337,11 @@ const char* map_host_shared(const SharedRange& range, std::string& error) {
   return PeerMappings::instance().map(range, error);
 }
 
+PeerReads& peer_reads() {
+  static PeerReads reads;
+  return reads;
+}
+
 void stream_copy(void* dst, const void* src, size_t bytes) {
 #if defined(__x86_64__)
   if (bytes >= kStreamMinBytes) {

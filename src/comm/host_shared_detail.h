@@ -3,6 +3,7 @@
 // a peer process can map it, mapping peers' ranges, and the copy and sum kernels that stream
 // results to memory.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -29,6 +30,14 @@ std::optional<SharedRange> find_host_shared(const void* data, size_t bytes);
 /// reason in `error`. Mappings are kept while the owner keeps the block; each call first unmaps
 /// the blocks that owner has freed since. Thread-safe.
 const char* map_host_shared(const SharedRange& range, std::string& error);
+
+/// Bytes this process has read from peers' host-shared buffers in collectives, process-wide:
+/// what those collectives move instead of messages. Benchmarks count them beside MPI's traffic.
+struct PeerReads {
+  std::atomic<int64_t> all_gather{0};  // peers' inputs copied by all_gather
+  std::atomic<int64_t> reduction{0};   // peers' data summed or copied by reduce_scatter and all_reduce
+};
+PeerReads& peer_reads();
 
 /// memcpy for large copies whose destination is not read again soon: non-temporal stores,
 /// several pages in flight. Any size and alignment.

@@ -117,3 +117,20 @@ TEST(HostShared, PeersUnmapBlocksTheirOwnerFreed) {
   EXPECT_EQ(peer_host_shared_mappings(), before);
   EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 2 : 0);
 }
+
+TEST(HostShared, PeerReadsCountTheBytesReadFromPeers) {
+  auto& c = ztrain::runtime().world();
+  const int n = c.size();
+  const int64_t numel = 12 << 14;  // 768 KiB: above the default threshold, divisible by 1–4 ranks
+  const int64_t bytes = numel * 4;
+  auto& reads = ztrain::detail::peer_reads();
+  const int64_t gathered = reads.all_gather, reduced = reads.reduction;
+  auto part = ztrain::host_shared_empty({numel / n}).fill_(1);
+  auto whole = ztrain::host_shared_empty({numel}).fill_(1);
+  c.all_gather(part, torch::empty({numel}));
+  EXPECT_EQ(reads.all_gather - gathered, (n - 1) * bytes / n);
+  c.reduce_scatter(whole, torch::empty({numel / n}));
+  EXPECT_EQ(reads.reduction - reduced, (n - 1) * bytes / n);
+  c.all_reduce(whole);
+  EXPECT_EQ(reads.reduction - reduced, 3 * (n - 1) * bytes / n);  // all_reduce reads 2·(n−1)/n
+}

@@ -541,6 +541,7 @@ bool MpiCommunicator::host_shared_all_gather(const torch::Tensor& input, const t
   }
   shared_barrier(call);
   ++stats_.host_shared_calls;
+  detail::peer_reads().all_gather += static_cast<int64_t>((size_ - 1) * slice);
   return true;
 }
 
@@ -551,6 +552,7 @@ bool MpiCommunicator::host_shared_reduce_scatter(const torch::Tensor& input, con
   reduce_members(output.view(-1), members, rank_ * output.numel(), op);
   shared_barrier(call);
   ++stats_.host_shared_calls;
+  detail::peer_reads().reduction += (size_ - 1) * static_cast<int64_t>(output.nbytes());
   return true;
 }
 
@@ -568,6 +570,9 @@ bool MpiCommunicator::host_shared_all_reduce(const torch::Tensor& flat, ReduceOp
   }
   shared_barrier(call);
   ++stats_.host_shared_calls;
+  // Segment rank_ of every peer, then every peer's own segment.
+  const int64_t own = (bounds[rank_ + 1] - bounds[rank_]) * size;
+  detail::peer_reads().reduction += (size_ - 1) * own + (flat.numel() * size - own);
   return true;
 }
 
