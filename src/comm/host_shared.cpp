@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -108,7 +109,8 @@ class Registry {
   // A freed block goes to a small pool, newest last, keeping its id and slot: the next block of
   // the same size (the same flat gradient or gathered parameters one step later) reuses it
   // without fresh pages to fault in and zero, and peers keep their mapping of it. The oldest
-  // pooled blocks are unmapped beyond kPoolBlocks or kPoolBytes.
+  // pooled blocks are unmapped beyond kPoolBlocks or kPoolBytes; a block larger than
+  // kPoolBytes is unmapped at once.
   void release(Block* block) {
     std::vector<Block*> evicted;
     {
@@ -116,6 +118,7 @@ class Registry {
       blocks_.erase(block->base);
       pool_.push_back(block);
       pool_bytes_ += block->bytes;
+      if (block->bytes > kPoolBytes) std::rotate(pool_.begin(), pool_.end() - 1, pool_.end());
       while (pool_.size() > kPoolBlocks || pool_bytes_ > kPoolBytes) {
         Block* oldest = pool_.front();
         pool_.erase(pool_.begin());

@@ -143,8 +143,10 @@ TEST(GptPipe, MatchesSingleProcess) {
       EXPECT_TRUE(tensors_equal(got.first_wte_grad.reshape(-1), ref_wte_grad, 1e-5, 1e-7)) << "tied gradient";
     }
     int64_t count = 0;
+    // SGD at lr 0.5 amplifies the rounding differences of split matmuls, which vary with the CPU's
+    // kernels: 30 steps at tp 2 left 1.5e-6 on one element of the embedding on an AMD EPYC.
     for (const auto& [name, value] : gathered_parameters(*model)) {
-      EXPECT_TRUE(tensors_equal(value, ref_file.read(name), 1e-5, 1e-6)) << name;
+      EXPECT_TRUE(tensors_equal(value, ref_file.read(name), 1e-5, 5e-6)) << name;
       ++count;
     }
     // Every parameter lives on some stage.
