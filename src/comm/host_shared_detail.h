@@ -44,7 +44,8 @@ PeerReads& peer_reads();
 void stream_copy(void* dst, const void* src, size_t bytes);
 
 /// dst[i] = srcs[0][i] + srcs[1][i] + ... + srcs[n-1][i], summed in that order (so equal bit
-/// for bit to a scalar loop), stored non-temporally when large. dst may be one of srcs; n >= 1.
+/// for bit to a scalar loop), stored non-temporally when large and not in place. dst may be one
+/// of srcs; n >= 1.
 void stream_sum(float* dst, const float* const* srcs, int n, int64_t count);
 
 }  // namespace ztrain::detail
