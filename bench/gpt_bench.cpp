@@ -267,7 +267,7 @@ int run(const Args& a) {
   // Training steps.
   std::vector<double> step_s, forward_s, backward_s, optimizer_s;
   double first_loss = 0, last_loss = 0;
-  std::pair<int64_t, int64_t> read_before;  // peer_reads() at the first timed step
+  std::pair<int64_t, int64_t> read_before;  // peer_traffic() at the first timed step
   zt::MemoryStats held;
   auto train_step = [&](int64_t step, bool last) {
     const auto tokens = batches.at(step);
@@ -293,7 +293,7 @@ int run(const Args& a) {
   for (int64_t step = 0; step < warmup + steps; ++step) {
     if (step == warmup) {
       bench::traffic_reset();
-      read_before = {zt::detail::peer_reads().all_gather, zt::detail::peer_reads().reduction};
+      read_before = {zt::detail::peer_traffic().all_gather, zt::detail::peer_traffic().reduction};
     }
     const auto [dt, loss, f, b, o] = train_step(step, step + 1 == warmup + steps);
     if (step == 0) first_loss = loss;
@@ -306,15 +306,16 @@ int run(const Args& a) {
     }
   }
   const auto traffic = bench::traffic();
-  const int64_t gathered_in_place = zt::detail::peer_reads().all_gather - read_before.first;
-  const int64_t reduced_in_place = zt::detail::peer_reads().reduction - read_before.second;
+  const int64_t gathered_in_place = zt::detail::peer_traffic().all_gather - read_before.first;
+  const int64_t reduced_in_place = zt::detail::peer_traffic().reduction - read_before.second;
   if (!a.profile_path.empty()) {  // one more step, profiled on rank 0
     std::optional<torch::autograd::profiler::RecordProfile> recording;
     if (rt.rank() == 0) recording.emplace(a.profile_path);
     train_step(warmup + steps, false);
   }
 
-  // Bytes moved per step by this rank, by communicator kind: sent through MPI or read in place.
+  // Bytes moved per step by this rank, by communicator kind: sent through MPI or moved in place
+  // through peers' host-shared buffers.
   json comm = {{"gather", static_cast<double>(gathered_in_place) / steps},
                {"reduce", static_cast<double>(reduced_in_place) / steps},
                {"runtime", 0},

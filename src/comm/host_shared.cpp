@@ -201,11 +201,12 @@ class PeerMappings {
     return *mappings;
   }
 
-  const char* map(const SharedRange& range, std::string& error) {
+  char* map(const SharedRange& range, std::string& error) {
     std::lock_guard<std::mutex> lock(mu_);
     Peer& peer = peers_[range.pid];
     if (peer.directory == nullptr) {
-      peer.directory = static_cast<const uint64_t*>(open_and_map(range.pid, range.directory_fd, kDirectoryBytes, error));
+      peer.directory = static_cast<const uint64_t*>(
+          open_and_map(range.pid, range.directory_fd, kDirectoryBytes, /*writable=*/false, error));
       if (peer.directory == nullptr) {
         peers_.erase(range.pid);
         return nullptr;
@@ -215,13 +216,13 @@ class PeerMappings {
       if (load_slot(peer.directory, it->second.slot) == it->first) {
         ++it;
       } else {
-        munmap(const_cast<char*>(it->second.base), it->second.bytes);
+        munmap(it->second.base, it->second.bytes);
         it = peer.blocks.erase(it);
       }
     }
     auto found = peer.blocks.find(range.id);
     if (found == peer.blocks.end()) {
-      auto* base = static_cast<const char*>(open_and_map(range.pid, range.block_fd, range.block_bytes, error));
+      auto* base = static_cast<char*>(open_and_map(range.pid, range.block_fd, range.block_bytes, /*writable=*/true, error));
       if (base == nullptr) return nullptr;
       found = peer.blocks.emplace(range.id, Mapping{base, range.block_bytes, range.slot}).first;
     }
@@ -230,7 +231,7 @@ class PeerMappings {
 
  private:
   struct Mapping {
-    const char* base;
+    char* base;
     size_t bytes;
     int slot;
   };
@@ -239,9 +240,9 @@ class PeerMappings {
     std::map<uint64_t, Mapping> blocks;  // by id
   };
 
-  static void* open_and_map(int pid, int fd, size_t bytes, std::string& error) {
+  static void* open_and_map(int pid, int fd, size_t bytes, bool writable, std::string& error) {
     const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-    const int local = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    const int local = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
     if (local < 0) {
       error = "cannot open " + path + ": " + errno_text();
       return nullptr;
@@ -250,7 +251,7 @@ class PeerMappings {
     void* p = nullptr;
     if (fstat(local, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
       error = path + " is not the expected shared memory file";
-    } else if ((p = map_file(local, bytes, PROT_READ)) == nullptr) {
+    } else if ((p = map_file(local, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ)) == nullptr) {
       error = "cannot map " + path + ": " + errno_text();
     }
     close(local);
@@ -278,16 +279,19 @@ inline void stream_line(char* dst, const char* src) {
   _mm_stream_si128(d + 3, e);
 }
 
-// Sums elements [begin, end) in line-sized steps and returns where it stopped (less than a
-// line before the end). A line of 16 floats from each of four pages in turn, as stream_copy;
-// two sources, the common case, get a loop without the inner one (a third faster at 8-128 MiB).
+// Sums elements [begin, end) in line-sized steps into every one of `dsts` and returns where it
+// stopped (less than a line before the end). A line of 16 floats from each of four pages in turn,
+// as stream_copy; two sources, the common case, get a loop without the inner one (a third faster
+// at 8-128 MiB).
 template <bool kStream>
-int64_t sum_lines(float* dst, const float* const* srcs, int n, int64_t begin, int64_t end) {
-  auto store = [](float* p, __m128 v) {
-    if constexpr (kStream) {
-      _mm_stream_ps(p, v);
-    } else {
-      _mm_storeu_ps(p, v);
+int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n, int64_t begin, int64_t end) {
+  auto store = [&](int64_t at, __m128 v) {
+    for (int d = 0; d < ndst; ++d) {
+      if constexpr (kStream) {
+        _mm_stream_ps(dsts[d] + at, v);
+      } else {
+        _mm_storeu_ps(dsts[d] + at, v);
+      }
     }
   };
   auto line = [&](int64_t at) {
@@ -295,15 +299,13 @@ int64_t sum_lines(float* dst, const float* const* srcs, int n, int64_t begin, in
     for (int j = 0; j < 16; j += 4) {
       __m128 acc = _mm_add_ps(_mm_loadu_ps(srcs[0] + at + j), _mm_loadu_ps(srcs[1] + at + j));
       for (int k = 2; k < n; ++k) acc = _mm_add_ps(acc, _mm_loadu_ps(srcs[k] + at + j));
-      store(dst + at + j, acc);
+      store(at + j, acc);
     }
   };
   auto two = [&](int64_t at) {
     _mm_prefetch(reinterpret_cast<const char*>(srcs[0] + at) + 256, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(srcs[1] + at) + 256, _MM_HINT_T0);
-    for (int j = 0; j < 16; j += 4) {
-      store(dst + at + j, _mm_add_ps(_mm_loadu_ps(srcs[0] + at + j), _mm_loadu_ps(srcs[1] + at + j)));
-    }
+    for (int j = 0; j < 16; j += 4) store(at + j, _mm_add_ps(_mm_loadu_ps(srcs[0] + at + j), _mm_loadu_ps(srcs[1] + at + j)));
   };
   constexpr int64_t kPage = 1024, kGroup = 4 * kPage;  // in floats
   int64_t i = begin;
@@ -318,11 +320,11 @@ int64_t sum_lines(float* dst, const float* const* srcs, int n, int64_t begin, in
 }
 #endif
 
-void sum_scalar(float* dst, const float* const* srcs, int n, int64_t begin, int64_t end) {
+void sum_scalar(float* const* dsts, int ndst, const float* const* srcs, int n, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     float acc = srcs[0][i];
     for (int k = 1; k < n; ++k) acc += srcs[k][i];
-    dst[i] = acc;
+    for (int d = 0; d < ndst; ++d) dsts[d][i] = acc;
   }
 }
 
@@ -332,7 +334,7 @@ std::optional<SharedRange> find_host_shared(const void* data, size_t bytes) {
   return Registry::instance().find(data, bytes);
 }
 
-const char* map_host_shared(const SharedRange& range, std::string& error) {
+char* map_host_shared(const SharedRange& range, std::string& error) {
   if (range.pid == getpid()) {
     error = "the range belongs to this process";
     return nullptr;
@@ -340,9 +342,9 @@ const char* map_host_shared(const SharedRange& range, std::string& error) {
   return PeerMappings::instance().map(range, error);
 }
 
-PeerReads& peer_reads() {
-  static PeerReads reads;
-  return reads;
+PeerTraffic& peer_traffic() {
+  static PeerTraffic traffic;
+  return traffic;
 }
 
 void stream_copy(void* dst, const void* src, size_t bytes) {
@@ -382,13 +384,23 @@ void stream_sum(float* dst, const float* const* srcs, int n, int64_t count) {
   const bool in_place = std::find(srcs, srcs + n, dst) != srcs + n;
   if (n >= 2 && static_cast<size_t>(count) * sizeof(float) >= kStreamMinBytes && !in_place) {
     i = std::min<int64_t>(count, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16 / sizeof(float));
-    sum_scalar(dst, srcs, n, 0, i);
-    i = sum_lines</*kStream=*/true>(dst, srcs, n, i, count);
+    sum_scalar(&dst, 1, srcs, n, 0, i);
+    i = sum_lines</*kStream=*/true>(&dst, 1, srcs, n, i, count);
   } else if (n >= 2) {
-    i = sum_lines</*kStream=*/false>(dst, srcs, n, 0, count);
+    i = sum_lines</*kStream=*/false>(&dst, 1, srcs, n, 0, count);
   }
 #endif
-  sum_scalar(dst, srcs, n, i, count);
+  sum_scalar(&dst, 1, srcs, n, i, count);
+}
+
+void sum_to_all(float* const* buffers, int n, int64_t count) {
+  const auto* srcs = const_cast<const float* const*>(buffers);
+  int64_t i = 0;
+#if defined(__x86_64__)
+  // Every line stored was loaded just before: ordinary stores (see stream_sum).
+  if (n >= 2) i = sum_lines</*kStream=*/false>(buffers, n, srcs, n, 0, count);
+#endif
+  sum_scalar(buffers, n, srcs, n, i, count);
 }
 
 }  // namespace ztrain::detail

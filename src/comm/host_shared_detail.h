@@ -26,18 +26,19 @@ struct SharedRange {
 /// The range [data, data + bytes) if it lies inside one live host-shared block of this process.
 std::optional<SharedRange> find_host_shared(const void* data, size_t bytes);
 
-/// The first byte of a peer's `range`, mapped read-only into this process, or nullptr with the
-/// reason in `error`. Mappings are kept while the owner keeps the block; each call first unmaps
-/// the blocks that owner has freed since. Thread-safe.
-const char* map_host_shared(const SharedRange& range, std::string& error);
+/// The first byte of a peer's `range`, mapped into this process for reading and writing, or
+/// nullptr with the reason in `error`. Mappings are kept while the owner keeps the block; each
+/// call first unmaps the blocks that owner has freed since. Thread-safe.
+char* map_host_shared(const SharedRange& range, std::string& error);
 
-/// Bytes this process has read from peers' host-shared buffers in collectives, process-wide:
-/// what those collectives move instead of messages. Benchmarks count them beside MPI's traffic.
-struct PeerReads {
+/// Bytes this process has moved through peers' host-shared buffers in collectives (read from
+/// them, and in all_reduce written to them as well), process-wide: what those collectives move
+/// instead of messages. Benchmarks count them beside MPI's traffic.
+struct PeerTraffic {
   std::atomic<int64_t> all_gather{0};  // peers' inputs copied by all_gather
-  std::atomic<int64_t> reduction{0};   // peers' data summed or copied by reduce_scatter and all_reduce
+  std::atomic<int64_t> reduction{0};   // peers' data summed by reduce_scatter, summed and stored by all_reduce
 };
-PeerReads& peer_reads();
+PeerTraffic& peer_traffic();
 
 /// memcpy for large copies whose destination is not read again soon: non-temporal stores,
 /// several pages in flight. Any size and alignment.
@@ -47,5 +48,9 @@ void stream_copy(void* dst, const void* src, size_t bytes);
 /// for bit to a scalar loop), stored non-temporally when large and not in place. dst may be one
 /// of srcs; n >= 1.
 void stream_sum(float* dst, const float* const* srcs, int n, int64_t count);
+
+/// buffers[k][i] = buffers[0][i] + ... + buffers[n-1][i] for every k, summed once in that order
+/// and stored to all n buffers.
+void sum_to_all(float* const* buffers, int n, int64_t count);
 
 }  // namespace ztrain::detail

@@ -60,7 +60,7 @@ TEST(HostShared, StreamCopyEqualsMemcpy) {
   }
 }
 
-TEST(HostShared, StreamSumEqualsTheScalarSumInOrder) {
+TEST(HostShared, SumsEqualTheScalarSumInOrder) {
   for (int n : {1, 2, 3, 4}) {
     for (int64_t count : {0, 1, 3, 5, 17, 65536 + 3, 262144 + 1}) {
       for (int64_t misalign : {0, 1, 3}) {
@@ -80,11 +80,22 @@ TEST(HostShared, StreamSumEqualsTheScalarSumInOrder) {
         auto dst = torch::empty({count + misalign}).narrow(0, misalign, count);
         ztrain::detail::stream_sum(dst.data_ptr<float>(), ptrs.data(), n, count);
         ASSERT_TRUE(torch::equal(dst, expected)) << n << " sources, " << count << " floats at +" << misalign;
-        // In place into the first source, as all_reduce sums its own segment.
+        // In place into the first source, as reduce_scatter into its own slice of the input.
         auto first = srcs[0].clone();
         ptrs[0] = first.data_ptr<float>();
         ztrain::detail::stream_sum(first.data_ptr<float>(), ptrs.data(), n, count);
         ASSERT_TRUE(torch::equal(first, expected)) << "in place: " << n << " sources, " << count << " floats";
+        // Into every source, as all_reduce stores its segment's sum to every member.
+        std::vector<torch::Tensor> all;
+        std::vector<float*> buffers;
+        for (const auto& src : srcs) {
+          all.push_back(torch::empty({count + misalign}).narrow(0, misalign, count).copy_(src));
+          buffers.push_back(all.back().data_ptr<float>());
+        }
+        ztrain::detail::sum_to_all(buffers.data(), n, count);
+        for (int k = 0; k < n; ++k) {
+          ASSERT_TRUE(torch::equal(all[k], expected)) << "to all, buffer " << k << ": " << n << " sources, " << count;
+        }
       }
     }
   }
@@ -118,19 +129,21 @@ TEST(HostShared, PeersUnmapBlocksTheirOwnerFreed) {
   EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 2 : 0);
 }
 
-TEST(HostShared, PeerReadsCountTheBytesReadFromPeers) {
+TEST(HostShared, PeerTrafficCountsTheBytesMovedThroughPeers) {
   auto& c = ztrain::runtime().world();
   const int n = c.size();
   const int64_t numel = 12 << 14;  // 768 KiB: above the default threshold, divisible by 1–4 ranks
   const int64_t bytes = numel * 4;
-  auto& reads = ztrain::detail::peer_reads();
-  const int64_t gathered = reads.all_gather, reduced = reads.reduction;
+  auto& moved = ztrain::detail::peer_traffic();
+  const int64_t gathered = moved.all_gather, reduced = moved.reduction;
   auto part = ztrain::host_shared_empty({numel / n}).fill_(1);
   auto whole = ztrain::host_shared_empty({numel}).fill_(1);
   c.all_gather(part, torch::empty({numel}));
-  EXPECT_EQ(reads.all_gather - gathered, (n - 1) * bytes / n);
+  EXPECT_EQ(moved.all_gather - gathered, (n - 1) * bytes / n);
   c.reduce_scatter(whole, torch::empty({numel / n}));
-  EXPECT_EQ(reads.reduction - reduced, (n - 1) * bytes / n);
+  EXPECT_EQ(moved.reduction - reduced, (n - 1) * bytes / n);
   c.all_reduce(whole);
-  EXPECT_EQ(reads.reduction - reduced, 3 * (n - 1) * bytes / n);  // all_reduce reads 2·(n−1)/n
+  // all_reduce reads (n−1)/n from peers and writes as much to them.
+  EXPECT_EQ(moved.reduction - reduced, 3 * (n - 1) * bytes / n);
+  EXPECT_TRUE(whole.eq(n).all().item<bool>());
 }

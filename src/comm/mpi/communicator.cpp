@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -446,10 +447,11 @@ void MpiCommunicator::ring_all_gather(const torch::Tensor& output, const std::ve
 // steps. The members exchange the names of their buffers, which also tells each that the others
 // have arrived with their inputs ready; each maps the others' buffers and all agree that every
 // mapping worked. Each then reads what it needs straight from the members' buffers. A closing
-// barrier keeps every buffer alive and unchanged until all members have finished reading it.
-// all_reduce has a barrier in the middle as well: member r sums segment r over all buffers into
-// its own, then copies every other finished segment q from member q. Each member starts at a
-// different peer, so that no buffer is read by all members at once.
+// barrier keeps every buffer alive and unchanged until all members have finished with it.
+// all_reduce writes as well: member r sums segment r over all buffers and stores the sum to
+// segment r of every buffer, which no other member touches, so each element is read once and
+// written once per buffer with no barrier in the middle. Each member starts at a different peer,
+// so that no buffer is read by all members at once.
 
 namespace {
 
@@ -463,7 +465,7 @@ torch::Tensor view_of(const char* data, int64_t numel, c10::ScalarType dtype) {
 
 }  // namespace
 
-std::vector<const char*> MpiCommunicator::map_members(const torch::Tensor& shared, const char* call) {
+std::vector<char*> MpiCommunicator::map_members(const torch::Tensor& shared, const char* call) {
   if (!host_local_ || size_ == 1) return {};
   struct Entry {
     int32_t shared = 0;
@@ -480,11 +482,11 @@ std::vector<const char*> MpiCommunicator::map_members(const torch::Tensor& share
             call, -1);
   wait(req, call, -1);
   if (!std::all_of(all.begin(), all.end(), [](const Entry& e) { return e.shared; })) return {};
-  std::vector<const char*> members(size_);
+  std::vector<char*> members(size_);
   int32_t mapped = 1;
   std::string error;
   for (int m = 0; m < size_ && mapped; ++m) {
-    members[m] = m == rank_ ? static_cast<const char*>(shared.data_ptr()) : detail::map_host_shared(all[m].range, error);
+    members[m] = m == rank_ ? static_cast<char*>(shared.data_ptr()) : detail::map_host_shared(all[m].range, error);
     mapped = members[m] != nullptr;
   }
   check_mpi(MPI_Iallreduce(MPI_IN_PLACE, &mapped, 1, MPI_INT32_T, MPI_MIN, comm_, &req), call, -1);
@@ -502,15 +504,19 @@ std::vector<const char*> MpiCommunicator::map_members(const torch::Tensor& share
   return {};
 }
 
-void MpiCommunicator::reduce_members(const torch::Tensor& dst, const std::vector<const char*>& members,
-                                     int64_t offset, ReduceOp op) {
+void MpiCommunicator::reduce_members(const torch::Tensor& dst, const std::vector<char*>& members, int64_t offset,
+                                     ReduceOp op, bool to_all) {
   const auto dtype = dst.scalar_type();
   const int64_t bytes_offset = offset * dst.element_size();
-  std::vector<const char*> sources(size_);
+  std::vector<char*> sources(size_);
   for (int k = 0; k < size_; ++k) sources[k] = members[(rank_ + k) % size_] + bytes_offset;
   if (dtype == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
-    detail::stream_sum(dst.data_ptr<float>(), reinterpret_cast<const float* const*>(sources.data()), size_,
-                       dst.numel());
+    auto* const* buffers = reinterpret_cast<float* const*>(sources.data());
+    if (to_all) {
+      detail::sum_to_all(buffers, size_, dst.numel());
+    } else {
+      detail::stream_sum(dst.data_ptr<float>(), buffers, size_, dst.numel());
+    }
     return;
   }
   const int64_t chunk = std::max<int64_t>(1, kReduceChunkBytes / dst.element_size());
@@ -520,6 +526,8 @@ void MpiCommunicator::reduce_members(const torch::Tensor& dst, const std::vector
     const int64_t skip = at * dst.element_size();
     combine(out, view_of(sources[0] + skip, len, dtype), view_of(sources[1] + skip, len, dtype), op);
     for (int k = 2; k < size_; ++k) combine(out, out, view_of(sources[k] + skip, len, dtype), op);
+    // sources[0] is this rank's own buffer, which is `out` itself.
+    for (int k = 1; to_all && k < size_; ++k) std::memcpy(sources[k] + skip, out.data_ptr(), out.nbytes());
   }
 }
 
@@ -541,7 +549,7 @@ bool MpiCommunicator::host_shared_all_gather(const torch::Tensor& input, const t
   }
   shared_barrier(call);
   ++stats_.host_shared_calls;
-  detail::peer_reads().all_gather += static_cast<int64_t>((size_ - 1) * slice);
+  detail::peer_traffic().all_gather += static_cast<int64_t>((size_ - 1) * slice);
   return true;
 }
 
@@ -549,10 +557,10 @@ bool MpiCommunicator::host_shared_reduce_scatter(const torch::Tensor& input, con
                                                  ReduceOp op, const char* call) {
   const auto members = map_members(input, call);
   if (members.empty()) return false;
-  reduce_members(output.view(-1), members, rank_ * output.numel(), op);
+  reduce_members(output.view(-1), members, rank_ * output.numel(), op, /*to_all=*/false);
   shared_barrier(call);
   ++stats_.host_shared_calls;
-  detail::peer_reads().reduction += (size_ - 1) * static_cast<int64_t>(output.nbytes());
+  detail::peer_traffic().reduction += (size_ - 1) * static_cast<int64_t>(output.nbytes());
   return true;
 }
 
@@ -560,19 +568,11 @@ bool MpiCommunicator::host_shared_all_reduce(const torch::Tensor& flat, ReduceOp
   const auto members = map_members(flat, call);
   if (members.empty()) return false;
   const auto bounds = even_bounds(flat.numel(), size_);
-  reduce_members(segment(flat, bounds, rank_), members, bounds[rank_], op);
-  shared_barrier(call);
-  auto* out = static_cast<char*>(flat.data_ptr());
-  const int64_t size = flat.element_size();
-  for (int k = 1; k < size_; ++k) {
-    const int m = (rank_ + k) % size_;
-    detail::stream_copy(out + bounds[m] * size, members[m] + bounds[m] * size, (bounds[m + 1] - bounds[m]) * size);
-  }
+  reduce_members(segment(flat, bounds, rank_), members, bounds[rank_], op, /*to_all=*/true);
   shared_barrier(call);
   ++stats_.host_shared_calls;
-  // Segment rank_ of every peer, then every peer's own segment.
-  const int64_t own = (bounds[rank_ + 1] - bounds[rank_]) * size;
-  detail::peer_reads().reduction += (size_ - 1) * own + (flat.numel() * size - own);
+  // Segment rank_ of every peer, read and then written.
+  detail::peer_traffic().reduction += 2 * (size_ - 1) * (bounds[rank_ + 1] - bounds[rank_]) * flat.element_size();
   return true;
 }
 

@@ -101,11 +101,12 @@ class MpiCommunicator final : public Communicator {
                        const torch::Tensor& own_input, const char* call);
   // Every member's address of its `shared` buffer (this rank's own at its index), or empty on
   // every member when any member's is not host-shared or cannot be mapped here.
-  std::vector<const char*> map_members(const torch::Tensor& shared, const char* call);
+  std::vector<char*> map_members(const torch::Tensor& shared, const char* call);
   // dst = the reduction over members m = rank, rank+1, ... of members[m]'s elements
-  // [offset, offset + dst.numel()); dst may be this rank's own range.
-  void reduce_members(const torch::Tensor& dst, const std::vector<const char*>& members, int64_t offset,
-                      ReduceOp op);
+  // [offset, offset + dst.numel()). With `to_all`, dst is this rank's own range and the result
+  // is stored to that range of every member's buffer as well.
+  void reduce_members(const torch::Tensor& dst, const std::vector<char*>& members, int64_t offset, ReduceOp op,
+                      bool to_all);
   void shared_barrier(const char* call);
   // Each returns false, having moved nothing, where map_members finds no shared buffers.
   bool host_shared_all_gather(const torch::Tensor& input, const torch::Tensor& output, bool in_place,
