@@ -266,6 +266,11 @@ class PeerMappings {
 
 // Below this, results likely stay in cache for whoever reads them next: ordinary stores.
 constexpr size_t kStreamMinBytes = size_t{256} << 10;
+// The kernels below walk this many pages at a time, a line from each in turn: more reads in
+// flight than one stream (with four, copies ran up to 1.4x faster than glibc's memcpy at 32 MiB
+// on the Intel machine of docs/benchmarks.md), but non-temporal stores to more than two pages at once ran 4-5x slower
+// than to one or two on an AMD EPYC (Zen 3).
+constexpr int64_t kStreamPages = 2;
 
 #if defined(__x86_64__)
 inline void stream_line(char* dst, const char* src) {
@@ -280,8 +285,8 @@ inline void stream_line(char* dst, const char* src) {
 }
 
 // Sums elements [begin, end) in line-sized steps into every one of `dsts` and returns where it
-// stopped (less than a line before the end). A line of 16 floats from each of four pages in turn,
-// as stream_copy; two sources, the common case, get a loop without the inner one (a third faster
+// stopped (less than a line before the end). A line of 16 floats from each of kStreamPages pages
+// in turn; two sources, the common case, get a loop without the inner one (a third faster
 // at 8-128 MiB).
 template <bool kStream>
 int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n, int64_t begin, int64_t end) {
@@ -307,7 +312,7 @@ int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n,
     _mm_prefetch(reinterpret_cast<const char*>(srcs[1] + at) + 256, _MM_HINT_T0);
     for (int j = 0; j < 16; j += 4) store(at + j, _mm_add_ps(_mm_loadu_ps(srcs[0] + at + j), _mm_loadu_ps(srcs[1] + at + j)));
   };
-  constexpr int64_t kPage = 1024, kGroup = 4 * kPage;  // in floats
+  constexpr int64_t kPage = 1024, kGroup = kStreamPages * kPage;  // in floats
   int64_t i = begin;
   for (; i + kGroup <= end; i += kGroup) {
     for (int64_t at = 0; at < kPage; at += 16) {
@@ -355,9 +360,8 @@ void stream_copy(void* dst, const void* src, size_t bytes) {
     const size_t head = (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
     std::memcpy(d, s, head);
     d += head, s += head, bytes -= head;
-    // Four pages at a time, a line from each in turn: more reads in flight than one stream,
-    // which ran up to 1.4x faster than glibc's memcpy at 32 MiB here.
-    constexpr size_t kPage = 4096, kGroup = 4 * kPage;
+    // kStreamPages pages at a time, a line from each in turn.
+    constexpr size_t kPage = 4096, kGroup = kStreamPages * kPage;
     size_t at = 0;
     for (; at + kGroup <= bytes; at += kGroup) {
       for (size_t line = 0; line < kPage; line += 64) {
