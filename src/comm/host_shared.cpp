@@ -266,11 +266,12 @@ class PeerMappings {
 
 // Below this, results likely stay in cache for whoever reads them next: ordinary stores.
 constexpr size_t kStreamMinBytes = size_t{256} << 10;
-// The kernels below walk this many pages at a time, a line from each in turn: more reads in
-// flight than one stream (with four, copies ran up to 1.4x faster than glibc's memcpy at 32 MiB
-// on the Intel machine of docs/benchmarks.md), but non-temporal stores to more than two pages at once ran 4-5x slower
-// than to one or two on an AMD EPYC (Zen 3).
-constexpr int64_t kStreamPages = 2;
+// The kernels below walk their buffers line by line in order and prefetch this far ahead, across
+// page boundaries where the hardware prefetcher stops. Walking four pages at a time instead, a
+// line from each in turn, had been up to 1.4x faster than glibc's memcpy at 32 MiB on an Intel
+// Xeon, but non-temporal stores to more than two pages at once ran 4-5x slower on an AMD EPYC
+// (Zen 3), where one page at a time was fastest (docs/benchmarks.md).
+constexpr int64_t kPrefetchBytes = 1024;
 
 #if defined(__x86_64__)
 inline void stream_line(char* dst, const char* src) {
@@ -285,9 +286,8 @@ inline void stream_line(char* dst, const char* src) {
 }
 
 // Sums elements [begin, end) in line-sized steps into every one of `dsts` and returns where it
-// stopped (less than a line before the end). A line of 16 floats from each of kStreamPages pages
-// in turn; two sources, the common case, get a loop without the inner one (a third faster
-// at 8-128 MiB).
+// stopped (less than a line before the end). Two sources, the common case, get a loop without
+// the inner one (a third faster at 8-128 MiB).
 template <bool kStream>
 int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n, int64_t begin, int64_t end) {
   auto store = [&](int64_t at, __m128 v) {
@@ -300,7 +300,7 @@ int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n,
     }
   };
   auto line = [&](int64_t at) {
-    for (int k = 0; k < n; ++k) _mm_prefetch(reinterpret_cast<const char*>(srcs[k] + at) + 256, _MM_HINT_T0);
+    for (int k = 0; k < n; ++k) _mm_prefetch(reinterpret_cast<const char*>(srcs[k] + at) + kPrefetchBytes, _MM_HINT_T0);
     for (int j = 0; j < 16; j += 4) {
       __m128 acc = _mm_add_ps(_mm_loadu_ps(srcs[0] + at + j), _mm_loadu_ps(srcs[1] + at + j));
       for (int k = 2; k < n; ++k) acc = _mm_add_ps(acc, _mm_loadu_ps(srcs[k] + at + j));
@@ -308,17 +308,11 @@ int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n,
     }
   };
   auto two = [&](int64_t at) {
-    _mm_prefetch(reinterpret_cast<const char*>(srcs[0] + at) + 256, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(srcs[1] + at) + 256, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(srcs[0] + at) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(srcs[1] + at) + kPrefetchBytes, _MM_HINT_T0);
     for (int j = 0; j < 16; j += 4) store(at + j, _mm_add_ps(_mm_loadu_ps(srcs[0] + at + j), _mm_loadu_ps(srcs[1] + at + j)));
   };
-  constexpr int64_t kPage = 1024, kGroup = kStreamPages * kPage;  // in floats
   int64_t i = begin;
-  for (; i + kGroup <= end; i += kGroup) {
-    for (int64_t at = 0; at < kPage; at += 16) {
-      for (int64_t p = 0; p < kGroup; p += kPage) n == 2 ? two(i + p + at) : line(i + p + at);
-    }
-  }
   for (; i + 16 <= end; i += 16) n == 2 ? two(i) : line(i);
   if constexpr (kStream) _mm_sfence();
   return i;
@@ -360,18 +354,11 @@ void stream_copy(void* dst, const void* src, size_t bytes) {
     const size_t head = (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
     std::memcpy(d, s, head);
     d += head, s += head, bytes -= head;
-    // kStreamPages pages at a time, a line from each in turn.
-    constexpr size_t kPage = 4096, kGroup = kStreamPages * kPage;
     size_t at = 0;
-    for (; at + kGroup <= bytes; at += kGroup) {
-      for (size_t line = 0; line < kPage; line += 64) {
-        for (size_t p = 0; p < kGroup; p += kPage) {
-          _mm_prefetch(s + at + p + line + 256, _MM_HINT_T0);
-          stream_line(d + at + p + line, s + at + p + line);
-        }
-      }
+    for (; at + 64 <= bytes; at += 64) {
+      _mm_prefetch(s + at + kPrefetchBytes, _MM_HINT_T0);
+      stream_line(d + at, s + at);
     }
-    for (; at + 64 <= bytes; at += 64) stream_line(d + at, s + at);
     _mm_sfence();
     std::memcpy(d + at, s + at, bytes - at);
     return;

@@ -40,8 +40,8 @@ struct PeerTraffic {
 };
 PeerTraffic& peer_traffic();
 
-/// memcpy for large copies whose destination is not read again soon: non-temporal stores,
-/// several pages in flight. Any size and alignment.
+/// memcpy for large copies whose destination is not read again soon: non-temporal stores and
+/// software prefetch. Any size and alignment.
 void stream_copy(void* dst, const void* src, size_t bytes);
 
 /// dst[i] = srcs[0][i] + srcs[1][i] + ... + srcs[n-1][i], summed in that order (so equal bit
