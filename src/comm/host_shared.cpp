@@ -222,7 +222,8 @@ class PeerMappings {
     }
     auto found = peer.blocks.find(range.id);
     if (found == peer.blocks.end()) {
-      auto* base = static_cast<char*>(open_and_map(range.pid, range.block_fd, range.block_bytes, /*writable=*/true, error));
+      auto* base =
+          static_cast<char*>(open_and_map(range.pid, range.block_fd, range.block_bytes, /*writable=*/true, error));
       if (base == nullptr) return nullptr;
       found = peer.blocks.emplace(range.id, Mapping{base, range.block_bytes, range.slot}).first;
     }

@@ -5,7 +5,8 @@
 /// must read was allocated here (all_gather's input, reduce_scatter's input, all_reduce's
 /// tensor), the large collectives skip the transport: each rank reads its peers' buffers in
 /// place and copies or sums them straight into its result, one pass over memory instead of a
-/// transfer into scratch and a second pass. Any other case (ranks on several hosts, a buffer
+/// transfer into scratch and a second pass (all_reduce also stores each rank's share of the sum
+/// into every member's tensor). Any other case (ranks on several hosts, a buffer
 /// from another allocator on any rank, a kernel that refuses to map another process's memory)
 /// takes the ordinary path; the ranks agree on the path at every call, so mixing is safe.
 /// Results equal the ordinary path's up to the order of floating-point sums.
