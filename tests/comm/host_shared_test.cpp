@@ -147,3 +147,18 @@ TEST(HostShared, PeerTrafficCountsTheBytesMovedThroughPeers) {
   EXPECT_EQ(moved.reduction - reduced, 3 * (n - 1) * bytes / n);
   EXPECT_TRUE(whole.eq(n).all().item<bool>());
 }
+
+TEST(HostShared, MembersWithBuffersOfDifferentSizesGetAnError) {
+  auto& c = ztrain::runtime().world();
+  if (c.size() == 1) GTEST_SKIP() << "needs peers";
+  // Large enough for the host-shared path; rank 0 passes one element more than the others.
+  const int64_t numel = (int64_t{1} << 18) + (c.rank() == 0 ? 1 : 0);
+  auto x = ztrain::host_shared_empty({numel}).fill_(1);
+  const auto message = error_message([&] { c.all_reduce(x); });
+  EXPECT_NE(message.find("all_reduce on communicator 'world': the members' buffers differ in size (rank 0 1048580, "
+                         "rank 1 1048576"),
+            std::string::npos)
+      << message;
+  EXPECT_TRUE(x.eq(1).all().item<bool>());  // nothing was written
+  c.barrier();  // the communicator is still usable
+}

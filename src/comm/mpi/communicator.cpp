@@ -469,18 +469,29 @@ std::vector<char*> MpiCommunicator::map_members(const torch::Tensor& shared, con
   if (!host_local_ || size_ == 1) return {};
   struct Entry {
     int32_t shared = 0;
+    int64_t bytes = 0;
     detail::SharedRange range;
   };
   Entry mine;
+  mine.bytes = static_cast<int64_t>(shared.nbytes());
   if (auto range = options_.host_shared ? detail::find_host_shared(shared.data_ptr(), shared.nbytes())
                                         : std::nullopt) {
-    mine = {1, *range};
+    mine.shared = 1;
+    mine.range = *range;
   }
   std::vector<Entry> all(size_);
   MPI_Request req;
   check_mpi(MPI_Iallgather(&mine, sizeof(Entry), MPI_BYTE, all.data(), sizeof(Entry), MPI_BYTE, comm_, &req),
             call, -1);
   wait(req, call, -1);
+  // Every member reads (and all_reduce writes) the others' buffers over this rank's extent: a
+  // member with a different size is refused on every member alike, before anyone touches memory.
+  if (!std::all_of(all.begin(), all.end(), [&](const Entry& e) { return e.bytes == mine.bytes; })) {
+    std::ostringstream sizes;
+    for (int m = 0; m < size_; ++m) sizes << (m ? ", " : "") << "rank " << m << " " << all[m].bytes;
+    ZTRAIN_CHECK(false, call, " on communicator '", name(), "': the members' buffers differ in size (", sizes.str(),
+                 " bytes); every member must pass the same shape");
+  }
   if (!std::all_of(all.begin(), all.end(), [](const Entry& e) { return e.shared; })) return {};
   std::vector<char*> members(size_);
   int32_t mapped = 1;
