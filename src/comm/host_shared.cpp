@@ -273,6 +273,9 @@ constexpr size_t kStreamMinBytes = size_t{256} << 10;
 // Xeon, but non-temporal stores to more than two pages at once ran 4-5x slower on an AMD EPYC
 // (Zen 3), where one page at a time was fastest (docs/benchmarks.md).
 constexpr int64_t kPrefetchBytes = 1024;
+// stream_copy_to_all copies this much of its source to each destination in turn: read from
+// memory for the first, from the core's cache for the others.
+constexpr size_t kFanOutChunkBytes = size_t{32} << 10;
 
 #if defined(__x86_64__)
 inline void stream_line(char* dst, const char* src) {
@@ -329,6 +332,24 @@ int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n,
 }
 #endif
 
+// memcpy with non-temporal stores from the first 64-byte boundary of dst on.
+void copy_lines(char* dst, const char* src, size_t bytes) {
+#if defined(__x86_64__)
+  const size_t head = std::min(bytes, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
+  std::memcpy(dst, src, head);
+  dst += head, src += head, bytes -= head;
+  size_t at = 0;
+  for (; at + 64 <= bytes; at += 64) {
+    _mm_prefetch(src + at + kPrefetchBytes, _MM_HINT_T0);
+    stream_line(dst + at, src + at);
+  }
+  _mm_sfence();
+  std::memcpy(dst + at, src + at, bytes - at);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
 void sum_scalar(float* const* dsts, int ndst, const float* const* srcs, int n, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     float acc = srcs[0][i];
@@ -357,24 +378,22 @@ PeerTraffic& peer_traffic() {
 }
 
 void stream_copy(void* dst, const void* src, size_t bytes) {
-#if defined(__x86_64__)
   if (bytes >= kStreamMinBytes) {
-    auto* d = static_cast<char*>(dst);
-    const auto* s = static_cast<const char*>(src);
-    const size_t head = (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
-    std::memcpy(d, s, head);
-    d += head, s += head, bytes -= head;
-    size_t at = 0;
-    for (; at + 64 <= bytes; at += 64) {
-      _mm_prefetch(s + at + kPrefetchBytes, _MM_HINT_T0);
-      stream_line(d + at, s + at);
-    }
-    _mm_sfence();
-    std::memcpy(d + at, s + at, bytes - at);
+    copy_lines(static_cast<char*>(dst), static_cast<const char*>(src), bytes);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
+void stream_copy_to_all(char* const* dsts, int n, const char* src, size_t bytes) {
+  if (bytes < kStreamMinBytes) {
+    for (int d = 0; d < n; ++d) std::memcpy(dsts[d], src, bytes);
     return;
   }
-#endif
-  std::memcpy(dst, src, bytes);
+  for (size_t at = 0; at < bytes; at += kFanOutChunkBytes) {
+    const size_t len = std::min(kFanOutChunkBytes, bytes - at);
+    for (int d = 0; d < n; ++d) copy_lines(dsts[d] + at, src + at, len);
+  }
 }
 
 void stream_sum(float* dst, const float* const* srcs, int n, int64_t count) {

@@ -32,10 +32,10 @@ std::optional<SharedRange> find_host_shared(const void* data, size_t bytes);
 char* map_host_shared(const SharedRange& range, std::string& error);
 
 /// Bytes this process has moved through peers' host-shared buffers in collectives (read from
-/// them, and in all_reduce written to them as well), process-wide: what those collectives move
-/// instead of messages. Benchmarks count them beside MPI's traffic.
+/// them or written to them), process-wide: what those collectives move instead of messages.
+/// Benchmarks count them beside MPI's traffic.
 struct PeerTraffic {
-  std::atomic<int64_t> all_gather{0};  // peers' inputs copied by all_gather
+  std::atomic<int64_t> all_gather{0};  // copied from peers' inputs or into peers' outputs by all_gather
   std::atomic<int64_t> reduction{0};   // peers' data summed by reduce_scatter, summed and stored by all_reduce
 };
 PeerTraffic& peer_traffic();
@@ -43,6 +43,9 @@ PeerTraffic& peer_traffic();
 /// memcpy for large copies whose destination is not read again soon: non-temporal stores and
 /// software prefetch. Any size and alignment.
 void stream_copy(void* dst, const void* src, size_t bytes);
+
+/// stream_copy of `src` to each of the n destinations, reading `src` from memory once.
+void stream_copy_to_all(char* const* dsts, int n, const char* src, size_t bytes);
 
 /// dst[i] = srcs[0][i] + srcs[1][i] + ... + srcs[n-1][i], summed in that order (so equal bit
 /// for bit to a scalar loop), stored non-temporally when large and not in place. dst may be one

@@ -82,16 +82,21 @@ void check_all_reduce(ztrain::Communicator& c, const std::vector<int64_t>& sizes
   }
 }
 
-void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = as_is) {
+// `place` puts the input, `place_output` the output given to the first call; a second call
+// allocates its output.
+void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = as_is,
+                      Place place_output = as_is) {
   for (auto dtype : kDtypes) {
     for (auto n : sizes) {
       auto in = place(input_of(c.rank(), dtype, n));
-      auto out = torch::empty({n * c.size()}, in.options());
-      c.all_gather(in, out);
       std::vector<torch::Tensor> parts;
       for (int r = 0; r < c.size(); ++r) parts.push_back(input_of(r, dtype, n));
-      EXPECT_TRUE(tensors_equal(out, torch::cat(parts))) << c.name() << " " << label(dtype, n);
-      EXPECT_TRUE(tensors_equal(c.all_gather(in), torch::cat(parts))) << c.name() << " " << label(dtype, n, "allocating");
+      auto expected = torch::cat(parts);
+      // Every element starts different from its result, so a slice left unwritten shows.
+      auto out = place_output(dtype == torch::kBool ? expected.logical_not() : expected + 1);
+      c.all_gather(in, out);
+      EXPECT_TRUE(tensors_equal(out, expected)) << c.name() << " " << label(dtype, n);
+      EXPECT_TRUE(tensors_equal(c.all_gather(in), expected)) << c.name() << " " << label(dtype, n, "allocating");
     }
   }
 }
@@ -144,11 +149,14 @@ TEST(Communicator, HostSharedBuffersAreReadInPlace) {
                                                     .ring_threshold_bytes = 1});
   const std::vector<int64_t> sizes = {0, 1, 2, 3, 17, 1023, 2 * 65536 + 1, 1 << 20};
   check_all_reduce(c, sizes, host_shared);
-  check_all_gather(c, sizes, host_shared);
+  check_all_gather(c, sizes, host_shared);                 // members read the shared inputs
+  check_all_gather(c, sizes, as_is, host_shared);          // members write into the shared outputs
+  check_all_gather(c, sizes, host_shared, host_shared);
   check_reduce_scatter(c, sizes, host_shared);
-  // Every call with data took the path, on every rank (none at all on one rank): 7 sizes with
-  // data × (28 dtype-op pairs of all_reduce + 8 dtypes × 2 all_gathers + 28 of reduce_scatter).
-  EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 7 * (28 + 16 + 28) : 0);
+  // Every call with a shared buffer and data took the path, on every rank (none at all on one
+  // rank): 7 sizes with data × (28 dtype-op pairs of all_reduce + 8 dtypes × (2 + 1 + 2)
+  // all_gathers + 28 of reduce_scatter).
+  EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 7 * (28 + 40 + 28) : 0);
 }
 
 TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
@@ -157,7 +165,7 @@ TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
   // Rank 0's buffers are private: every rank must take the transport, and agree on it.
   Place place = c.rank() == 0 ? as_is : host_shared;
   check_all_reduce(c, {1023}, place);
-  check_all_gather(c, {1023}, place);
+  check_all_gather(c, {1023}, place, place);
   check_reduce_scatter(c, {1023}, place);
   EXPECT_EQ(c.stats().host_shared_calls, 0);
   // Switched off, shared buffers everywhere take the transport too.

@@ -60,6 +60,28 @@ TEST(HostShared, StreamCopyEqualsMemcpy) {
   }
 }
 
+TEST(HostShared, StreamCopyToAllEqualsMemcpyIntoEach) {
+  const size_t kMisalign[] = {0, 1, 60};  // destination d starts at kMisalign[d]
+  for (size_t bytes : kCopyBytes) {
+    for (int n : {1, 2, 3}) {
+      std::vector<uint8_t> src(bytes + 64);
+      std::iota(src.begin(), src.end(), static_cast<uint8_t>(bytes));
+      std::vector<std::vector<uint8_t>> dsts(n, std::vector<uint8_t>(bytes + 64, 0xAB));
+      std::vector<char*> ptrs;
+      for (int d = 0; d < n; ++d) ptrs.push_back(reinterpret_cast<char*>(dsts[d].data() + kMisalign[d]));
+      ztrain::detail::stream_copy_to_all(ptrs.data(), n, reinterpret_cast<const char*>(src.data() + 3), bytes);
+      for (int d = 0; d < n; ++d) {
+        const size_t at = kMisalign[d];
+        ASSERT_EQ(std::memcmp(dsts[d].data() + at, src.data() + 3, bytes), 0) << bytes << " bytes into " << d;
+        EXPECT_EQ(dsts[d][at + bytes], 0xAB) << "wrote past the end: " << bytes << " bytes into " << d;
+        if (at > 0) {
+          EXPECT_EQ(dsts[d][at - 1], 0xAB) << "wrote before the start of " << d;
+        }
+      }
+    }
+  }
+}
+
 TEST(HostShared, SumsEqualTheScalarSumInOrder) {
   for (int n : {1, 2, 3, 4}) {
     for (int64_t count : {0, 1, 3, 5, 17, 65536 + 3, 262144 + 1}) {
@@ -138,8 +160,10 @@ TEST(HostShared, PeerTrafficCountsTheBytesMovedThroughPeers) {
   const int64_t gathered = moved.all_gather, reduced = moved.reduction;
   auto part = ztrain::host_shared_empty({numel / n}).fill_(1);
   auto whole = ztrain::host_shared_empty({numel}).fill_(1);
-  c.all_gather(part, torch::empty({numel}));
+  c.all_gather(part, torch::empty({numel}));  // reads the peers' inputs
   EXPECT_EQ(moved.all_gather - gathered, (n - 1) * bytes / n);
+  c.all_gather(torch::ones({numel / n}), ztrain::host_shared_empty({numel}));  // writes the peers' outputs
+  EXPECT_EQ(moved.all_gather - gathered, 2 * (n - 1) * bytes / n);
   c.reduce_scatter(whole, torch::empty({numel / n}));
   EXPECT_EQ(moved.reduction - reduced, (n - 1) * bytes / n);
   c.all_reduce(whole);

@@ -2,14 +2,15 @@
 /// Host-shared tensors: CPU memory that the other ranks on the same host can map.
 ///
 /// When every member of a communicator runs on one host and every member's buffer that peers
-/// must read was allocated here (all_gather's input, reduce_scatter's input, all_reduce's
-/// tensor), the large collectives skip the transport: each rank reads its peers' buffers in
-/// place and copies or sums them straight into its result, one pass over memory instead of a
-/// transfer into scratch and a second pass (all_reduce also stores each rank's share of the sum
-/// into every member's tensor). Any other case (ranks on several hosts, a buffer
-/// from another allocator on any rank, a kernel that refuses to map another process's memory)
-/// takes the ordinary path; the ranks agree on the path at every call, so mixing is safe.
-/// Results equal the ordinary path's up to the order of floating-point sums.
+/// must read or write was allocated here (all_gather's output or its input, reduce_scatter's
+/// input, all_reduce's tensor), the large collectives skip the transport: each rank reads its
+/// peers' buffers in place and copies or sums them straight into its result, one pass over
+/// memory instead of a transfer into scratch and a second pass. all_reduce also stores each
+/// rank's share of the sum into every member's tensor, and all_gather into shared outputs has
+/// each rank write its input into every member's output, reading it once. Any other case (ranks
+/// on several hosts, a buffer from another allocator on any rank, a kernel that refuses to map
+/// another process's memory) takes the ordinary path; the ranks agree on the path at every call,
+/// so mixing is safe. Results equal the ordinary path's up to the order of floating-point sums.
 ///
 /// Allocation is local (not collective) and thread-safe. The memory is released when the last
 /// tensor or view of it goes, in peers as well: a peer that mapped a block unmaps it at its next

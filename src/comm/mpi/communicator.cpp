@@ -446,12 +446,17 @@ void MpiCommunicator::ring_all_gather(const torch::Tensor& output, const std::ve
 // When every member's buffer is host-shared (comm/host_shared.h), a collective takes three
 // steps. The members exchange the names of their buffers, which also tells each that the others
 // have arrived with their inputs ready; each maps the others' buffers and all agree that every
-// mapping worked. Each then reads what it needs straight from the members' buffers. A closing
-// barrier keeps every buffer alive and unchanged until all members have finished with it.
-// all_reduce writes as well: member r sums segment r over all buffers and stores the sum to
-// segment r of every buffer, which no other member touches, so each element is read once and
-// written once per buffer with no barrier in the middle. Each member starts at a different peer,
-// so that no buffer is read by all members at once.
+// mapping worked. Each then reads or writes what it needs straight in the members' buffers. A
+// closing barrier keeps every buffer alive and unchanged until all members have finished with it.
+// - all_reduce: member r sums segment r over all buffers and stores the sum to segment r of
+//   every buffer, which no other member touches, so each element is read once and written once
+//   per buffer with no barrier in the middle.
+// - all_gather, where the outputs are shared: member r writes its input into slice r of every
+//   output, so an input is read once, not once per member (at 2 ranks a rank reads S/2 and
+//   writes S, against S and S when each rank pulls the inputs). Where only the inputs are
+//   shared, each member pulls them into its own output.
+// - reduce_scatter: member r sums slice r of every input into its output.
+// Each member starts at a different peer, so that no buffer is read by all members at once.
 
 namespace {
 
@@ -465,40 +470,56 @@ torch::Tensor view_of(const char* data, int64_t numel, c10::ScalarType dtype) {
 
 }  // namespace
 
-std::vector<char*> MpiCommunicator::map_members(const torch::Tensor& shared, const char* call) {
+MpiCommunicator::Members MpiCommunicator::map_members(const std::vector<torch::Tensor>& buffers, const char* call) {
   if (!host_local_ || size_ == 1) return {};
   struct Entry {
     int32_t shared = 0;
     int64_t bytes = 0;
     detail::SharedRange range;
   };
-  Entry mine;
-  mine.bytes = static_cast<int64_t>(shared.nbytes());
-  if (auto range = options_.host_shared ? detail::find_host_shared(shared.data_ptr(), shared.nbytes())
-                                        : std::nullopt) {
-    mine.shared = 1;
-    mine.range = *range;
+  const int count = static_cast<int>(buffers.size());
+  std::vector<Entry> mine(count);
+  for (int b = 0; b < count; ++b) {
+    const auto& buffer = buffers[b];
+    mine[b].bytes = static_cast<int64_t>(buffer.nbytes());
+    if (auto range = options_.host_shared ? detail::find_host_shared(buffer.data_ptr(), buffer.nbytes())
+                                          : std::nullopt) {
+      mine[b].shared = 1;
+      mine[b].range = *range;
+    }
   }
-  std::vector<Entry> all(size_);
+  std::vector<Entry> all(size_ * count);  // member m's buffer b at m * count + b
+  const int entry_bytes = count * static_cast<int>(sizeof(Entry));
   MPI_Request req;
-  check_mpi(MPI_Iallgather(&mine, sizeof(Entry), MPI_BYTE, all.data(), sizeof(Entry), MPI_BYTE, comm_, &req),
+  check_mpi(MPI_Iallgather(mine.data(), entry_bytes, MPI_BYTE, all.data(), entry_bytes, MPI_BYTE, comm_, &req),
             call, -1);
   wait(req, call, -1);
-  // Every member reads (and all_reduce writes) the others' buffers over this rank's extent: a
-  // member with a different size is refused on every member alike, before anyone touches memory.
-  if (!std::all_of(all.begin(), all.end(), [&](const Entry& e) { return e.bytes == mine.bytes; })) {
+  auto of = [&](int m, int b) -> const Entry& { return all[m * count + b]; };
+  // Members read (and write) each other's buffers over this rank's extent: a member with a
+  // different size is refused on every member alike, before anyone touches memory.
+  for (int b = 0; b < count; ++b) {
+    bool same = true;
+    for (int m = 0; m < size_; ++m) same = same && of(m, b).bytes == mine[b].bytes;
+    if (same) continue;
     std::ostringstream sizes;
-    for (int m = 0; m < size_; ++m) sizes << (m ? ", " : "") << "rank " << m << " " << all[m].bytes;
+    for (int m = 0; m < size_; ++m) sizes << (m ? ", " : "") << "rank " << m << " " << of(m, b).bytes;
     ZTRAIN_CHECK(false, call, " on communicator '", name(), "': the members' buffers differ in size (", sizes.str(),
                  " bytes); every member must pass the same shape");
   }
-  if (!std::all_of(all.begin(), all.end(), [](const Entry& e) { return e.shared; })) return {};
-  std::vector<char*> members(size_);
+  Members members;
+  for (int b = 0; b < count && members.buffer < 0; ++b) {
+    bool shared = true;
+    for (int m = 0; m < size_; ++m) shared = shared && of(m, b).shared;
+    if (shared) members.buffer = b;
+  }
+  if (members.buffer < 0) return {};
+  members.at.resize(size_);
   int32_t mapped = 1;
   std::string error;
   for (int m = 0; m < size_ && mapped; ++m) {
-    members[m] = m == rank_ ? static_cast<char*>(shared.data_ptr()) : detail::map_host_shared(all[m].range, error);
-    mapped = members[m] != nullptr;
+    members.at[m] = m == rank_ ? static_cast<char*>(buffers[members.buffer].data_ptr())
+                               : detail::map_host_shared(of(m, members.buffer).range, error);
+    mapped = members.at[m] != nullptr;
   }
   check_mpi(MPI_Iallreduce(MPI_IN_PLACE, &mapped, 1, MPI_INT32_T, MPI_MIN, comm_, &req), call, -1);
   wait(req, call, -1);
@@ -507,7 +528,7 @@ std::vector<char*> MpiCommunicator::map_members(const torch::Tensor& shared, con
   static std::once_flag once;
   if (!error.empty()) {
     std::call_once(once, [&] {
-      std::cerr << "ztrain: " << call << " on communicator '" << name() << "' cannot read a peer's host-shared "
+      std::cerr << "ztrain: " << call << " on communicator '" << name() << "' cannot map a peer's host-shared "
                 << "buffer (" << error << "); collectives on host-shared buffers take the transport instead"
                 << std::endl;
     });
@@ -550,13 +571,26 @@ void MpiCommunicator::shared_barrier(const char* call) {
 
 bool MpiCommunicator::host_shared_all_gather(const torch::Tensor& input, const torch::Tensor& output,
                                              bool in_place, const char* call) {
-  const auto members = map_members(input, call);
-  if (members.empty()) return false;
+  const auto members = map_members({output, input}, call);
+  if (members.at.empty()) return false;
   const auto slice = input.nbytes();
-  auto* out = static_cast<char*>(output.data_ptr());
-  for (int k = 1; k <= size_; ++k) {
-    const int m = (rank_ + k) % size_;
-    if (m != rank_ || !in_place) detail::stream_copy(out + m * slice, members[m], slice);
+  std::vector<char*> dsts;
+  if (members.buffer == 0) {
+    // The outputs are shared: this rank's input goes into its slice of every member's output,
+    // read once for all of them.
+    for (int k = 1; k <= size_; ++k) {
+      const int m = (rank_ + k) % size_;
+      if (m != rank_ || !in_place) dsts.push_back(members.at[m] + rank_ * slice);
+    }
+    detail::stream_copy_to_all(dsts.data(), static_cast<int>(dsts.size()),
+                               static_cast<const char*>(input.data_ptr()), slice);
+  } else {
+    // Only the inputs are shared: this rank copies every member's input into its own output.
+    auto* out = static_cast<char*>(output.data_ptr());
+    for (int k = 1; k <= size_; ++k) {
+      const int m = (rank_ + k) % size_;
+      if (m != rank_ || !in_place) detail::stream_copy(out + m * slice, members.at[m], slice);
+    }
   }
   shared_barrier(call);
   ++stats_.host_shared_calls;
@@ -566,9 +600,9 @@ bool MpiCommunicator::host_shared_all_gather(const torch::Tensor& input, const t
 
 bool MpiCommunicator::host_shared_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output,
                                                  ReduceOp op, const char* call) {
-  const auto members = map_members(input, call);
-  if (members.empty()) return false;
-  reduce_members(output.view(-1), members, rank_ * output.numel(), op, /*to_all=*/false);
+  const auto members = map_members({input}, call);
+  if (members.at.empty()) return false;
+  reduce_members(output.view(-1), members.at, rank_ * output.numel(), op, /*to_all=*/false);
   shared_barrier(call);
   ++stats_.host_shared_calls;
   detail::peer_traffic().reduction += (size_ - 1) * static_cast<int64_t>(output.nbytes());
@@ -576,10 +610,10 @@ bool MpiCommunicator::host_shared_reduce_scatter(const torch::Tensor& input, con
 }
 
 bool MpiCommunicator::host_shared_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call) {
-  const auto members = map_members(flat, call);
-  if (members.empty()) return false;
+  const auto members = map_members({flat}, call);
+  if (members.at.empty()) return false;
   const auto bounds = even_bounds(flat.numel(), size_);
-  reduce_members(segment(flat, bounds, rank_), members, bounds[rank_], op, /*to_all=*/true);
+  reduce_members(segment(flat, bounds, rank_), members.at, bounds[rank_], op, /*to_all=*/true);
   shared_barrier(call);
   ++stats_.host_shared_calls;
   // Segment rank_ of every peer, read and then written.

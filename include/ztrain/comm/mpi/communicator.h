@@ -99,9 +99,14 @@ class MpiCommunicator final : public Communicator {
   torch::Tensor scratch_for(c10::ScalarType dtype, int64_t numel);
   void ring_all_gather(const torch::Tensor& output, const std::vector<int64_t>& bounds,
                        const torch::Tensor& own_input, const char* call);
-  // Every member's address of its `shared` buffer (this rank's own at its index), or empty on
-  // every member when any member's is not host-shared or cannot be mapped here.
-  std::vector<char*> map_members(const torch::Tensor& shared, const char* call);
+  // Every member's address of one of `buffers` (this rank's own at its index): the first that
+  // every member has host-shared, with its index in `buffers`. Empty, with index -1, on every
+  // member when no buffer is host-shared everywhere or a peer's cannot be mapped here.
+  struct Members {
+    int buffer = -1;
+    std::vector<char*> at;
+  };
+  Members map_members(const std::vector<torch::Tensor>& buffers, const char* call);
   // dst = the reduction over members m = rank, rank+1, ... of members[m]'s elements
   // [offset, offset + dst.numel()). With `to_all`, dst is this rank's own range and the result
   // is stored to that range of every member's buffer as well.
