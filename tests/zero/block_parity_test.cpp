@@ -95,7 +95,9 @@ TEST(BlockParityHostShared, MatchesSingleProcessAtEveryLevel) {
   for (int level = 0; level <= 3; ++level) {
     expect_same(train_zero({.zero_level = level, .use_checkpoint = level == 3}, level, true, config, lr), ref);
   }
-  if (runtime().dp().size() > 1) EXPECT_GT(peer_host_shared_mappings(), 0) << "the host-shared path was never taken";
+  if (runtime().dp().size() > 1) {
+    EXPECT_GT(peer_host_shared_mappings(), 0) << "the host-shared path was never taken";
+  }
 }
 
 std::vector<Config> all_configs() {
