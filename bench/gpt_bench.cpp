@@ -23,8 +23,9 @@
 // averaged over ranks, is read after the timer.
 //
 // Bytes sent are counted in MPI (bench/mpi_traffic.h) from the first timed step to the last:
-// the ZeRO engine's two stream communicators (gathers, reductions; duplicated in that order
-// when the model is built) apart from the runtime's own (the benchmark's barriers and loss).
+// the ZeRO engine's two stream communicators (gathers, reductions: the default context's
+// streams, whose MPI communicators the MPI transport names) apart from the runtime's own (the
+// benchmark's barriers and loss).
 // Where the engine's buffers are host-shared, its large collectives read the peers' buffers in
 // place instead of sending them; those bytes are counted too (the in_place share).
 // Model-state bytes are taken after the last backward, before its optimizer step: parameters,
@@ -33,6 +34,7 @@
 
 #include "../src/comm/host_shared_detail.h"
 
+#include <ztrain/comm/mpi/transport.h>
 #include <ztrain/ztrain.h>
 
 #include <CLI/CLI.hpp>
@@ -235,7 +237,6 @@ int run(const Args& a) {
 
   const json probe = a.probe ? matmul_probe(world, a.batch * seq, config.d_model) : json();
   const auto before = zt::memory_stats(*torch::nn::Sequential());
-  const auto dups_before = bench::duplicated_communicators().size();
 
   // The model, its initialisation and the optimizer.
   std::shared_ptr<torch::nn::Module> module;
@@ -251,10 +252,13 @@ int run(const Args& a) {
   }
   zt::init_parameters(*module, {.seed = 1234, .init = zt::models::gpt_init(config)});
   zt::optim::AdamW opt(module->parameters(), zt::optim::AdamOptions(1e-3).betas({0.9, 0.95}).weight_decay(0.1));
-  const auto dups = bench::duplicated_communicators();
-  const std::vector<MPI_Comm> streams(dups.begin() + static_cast<std::ptrdiff_t>(dups_before), dups.end());
-  ZTRAIN_CHECK(plain || streams.size() == 2, "gpt_bench: expected the ZeRO engine to duplicate 2 communicators (gather, ",
-               "reduce) when the model was built, saw ", streams.size(), "; update the attribution in gpt_bench.cpp");
+  std::vector<MPI_Comm> streams;  // the engine's gather and reduce communicators
+  if (!plain) {
+    auto& ctx = rt.context();
+    for (auto* stream : {&ctx.gather_stream(), &ctx.reduce_stream()}) {
+      streams.push_back(dynamic_cast<zt::MpiTransport&>(stream->communicator().transport()).handle());
+    }
+  }
   const int64_t psi = config.num_parameters();
   int64_t counted = 0;
   for (const auto& ref : zt::named_parameter_refs(*module)) {

@@ -4,7 +4,7 @@
 
 // How it works: each wrapper adds its call's bytes to the counter of its communicator, then
 // calls the PMPI_ entry point. The executable exports these symbols (ENABLE_EXPORTS), so the
-// dynamic linker binds libztrain's calls to them rather than to libmpi's. Communicators are few
+// dynamic linker binds ztrain's libraries' calls to them rather than to libmpi's. Communicators are few
 // (a dozen), so a vector searched linearly under one mutex is enough.
 
 namespace bench {
@@ -13,7 +13,6 @@ namespace {
 struct State {
   std::mutex mutex;
   std::vector<std::pair<MPI_Comm, Traffic>> counters;
-  std::vector<MPI_Comm> dups;
 };
 
 State& state() {
@@ -61,11 +60,6 @@ void traffic_reset() {
   s.counters.clear();
 }
 
-std::vector<MPI_Comm> duplicated_communicators() {
-  auto& s = state();
-  std::lock_guard<std::mutex> lock(s.mutex);
-  return s.dups;
-}
 
 }  // namespace bench
 
@@ -119,14 +113,5 @@ int MPI_Ibcast(void* buffer, int count, MPI_Datatype type, int root, MPI_Comm co
   return PMPI_Ibcast(buffer, count, type, root, comm, request);
 }
 
-int MPI_Comm_dup(MPI_Comm comm, MPI_Comm* newcomm) {
-  const int rc = PMPI_Comm_dup(comm, newcomm);
-  if (rc == MPI_SUCCESS) {
-    auto& s = bench::state();
-    std::lock_guard<std::mutex> lock(s.mutex);
-    s.dups.push_back(*newcomm);
-  }
-  return rc;
-}
 
 }  // extern "C"

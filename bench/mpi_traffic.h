@@ -4,9 +4,11 @@
 /// precedence over the library's and forward to PMPI_*). A program gets the counters by linking
 /// bench/mpi_traffic.cpp into its executable.
 ///
-/// Why not Communicator::stats(): the ZeRO engine's gathers and reductions run on two duplicated
-/// communicators private to its CommStreams, which a program cannot reach; the MPI calls below
-/// are what those communicators issue, so counting them counts every byte of the engine.
+/// Why not Communicator::stats(): it counts what a rank hands to its communicator, while the
+/// bytes on the wire depend on the algorithm beneath (a ring, MPI's own collective); the MPI
+/// calls below are what the communicators issue, so counting them counts every byte moved. A
+/// program attributes them by MPI communicator: MpiTransport::handle() names each ztrain
+/// communicator's (the ZeRO engine's are its context's streams).
 ///
 /// What is counted, per call:
 ///   MPI_Isend / MPI_Send           the message (ztrain's ring collectives are made of these)
@@ -38,8 +40,5 @@ struct Traffic {
 /// Counters of every communicator that sent something since the last reset.
 std::vector<std::pair<MPI_Comm, Traffic>> traffic();
 void traffic_reset();
-
-/// Every communicator MPI_Comm_dup created so far, in creation order.
-std::vector<MPI_Comm> duplicated_communicators();
 
 }  // namespace bench

@@ -175,13 +175,14 @@ struct KillSwitch {
   }
 };
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainArgs& a, std::vector<torch::Tensor> params) {
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainArgs& a, torch::nn::Module& model) {
+  const auto params = model.parameters();
   ZTRAIN_CHECK(!(a.offload && a.optimizer == "sgd"), "--offload needs --optimizer adamw or adam");
   if (a.optimizer == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(a.lr).momentum(0.9));
   auto options = (a.optimizer == "adam" ? zt::optim::AdamOptions::adam(a.lr) : zt::optim::AdamOptions(a.lr))
                      .betas({a.beta1, a.beta2})
                      .weight_decay(a.weight_decay);
-  if (a.offload) return std::make_unique<zt::optim::AdamOffload>(params, options);
+  if (a.offload) return std::make_unique<zt::optim::AdamOffload>(model, options);
   return std::make_unique<zt::optim::AdamW>(params, options);
 }
 
@@ -270,8 +271,8 @@ int train(TrainArgs a) {
   auto trainee = make_trainee(a, config);
   auto& model = *trainee.module;
   zt::init_parameters(model, {.seed = a.seed, .init = zt::models::gpt_init(config)});
-  auto opt = make_optimizer(a, model.parameters());
-  zt::optim::OptimManager mgr(config.dtype == torch::kFloat16 ? zt::LossScaler::dynamic() : zt::LossScaler::off());
+  auto opt = make_optimizer(a, model);
+  zt::optim::OptimManager mgr(model, config.dtype == torch::kFloat16 ? zt::LossScaler::dynamic() : zt::LossScaler::off());
   mgr.add_optimizer(*opt, make_schedule(a));
   Sampler sampler(corpus.train_size(), *a.seq, a.batch, rt.dp().rank(), dp, a.seed);
   const zt::TrainingState state{model, *opt, mgr};

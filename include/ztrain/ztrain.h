@@ -21,6 +21,7 @@
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>
 #include <ztrain/optim/optim_manager.h>
+#include <ztrain/optim/state_view.h>
 #include <ztrain/pipe/pipe.h>
 #include <ztrain/runtime/runtime.h>
 #include <ztrain/tp/layers.h>
@@ -31,5 +32,6 @@
 #include <ztrain/zero/distributed_parameter.h>
 #include <ztrain/zero/flat_param.h>
 #include <ztrain/zero/init_parameters.h>
+#include <ztrain/zero/level_policy.h>
 #include <ztrain/zero/memory.h>
 #include <ztrain/zero/sharded_module.h>

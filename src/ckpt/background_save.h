@@ -1,6 +1,6 @@
 #pragma once
-// The process's background save thread: one save at a time, with its own duplicates of the
-// runtime's communicators. Used by the *_async savers.
+// The process's background save thread: one save at a time, on the background context of the
+// model's ParallelContext. Used by the *_async savers.
 
 #include "sharded_io.h"
 
@@ -19,11 +19,12 @@ namespace ztrain::detail {
 void wait_for_background_save() noexcept;
 
 /// Waits for the running background save, then runs `write` on the background thread with the
-/// thread's communicators and returns its handle; `path` is what the save publishes. The first
-/// call with a runtime duplicates its world, dp and tp communicators — collective over the
-/// world, so every rank must call this at the same point of its program. `write` must own
-/// everything it touches (copies, not the caller's live tensors).
-PendingSave start_background_save(std::string path, std::function<void(const SaveComms&)> write);
+/// communicators of `context`'s background context (none for a null context) and returns its
+/// handle; `path` is what the save publishes. The first call for a context makes its background
+/// context — collective over its world, so every rank must call this at the same point of its
+/// program. `write` must own everything it touches (copies, not the caller's live tensors).
+PendingSave start_background_save(ParallelContext* context, std::string path,
+                                  std::function<void(const SaveComms&)> write);
 
 /// The write of save_optimizer_state(model, optimizer, path, options) from a copy of this rank's
 /// state taken now: call it (collective over comms.world) on any thread to write the file.

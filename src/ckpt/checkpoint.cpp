@@ -7,7 +7,8 @@
 #include <ztrain/ckpt/optimizer_state.h>
 #include <ztrain/ckpt/safetensors.h>
 #include <ztrain/error.h>
-#include <ztrain/runtime/init.h>
+#include <ztrain/runtime/parallel_context.h>
+#include <ztrain/runtime/parameter_record.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -42,7 +43,13 @@ void on_rank0(Communicator& world, const std::function<void()>& fn) {
   ZTRAIN_CHECK(error.empty(), error);
 }
 
-void on_rank0(const std::function<void()>& fn) { on_rank0(runtime().world(), fn); }
+/// The context a checkpoint of `model` runs over (throws without one: checkpoints need a runtime).
+ParallelContext& context_for(torch::nn::Module& model) {
+  auto* context = context_of(model);
+  ZTRAIN_CHECK(context, "checkpoint: the distributed runtime is not initialised; call "
+               "ztrain::init_distributed() at the start of main() before saving or loading checkpoints");
+  return *context;
+}
 
 void fsync_path(const fs::path& p) {
   const int fd = ::open(p.c_str(), O_RDONLY);
@@ -144,26 +151,27 @@ Publication prepare(const std::string& root, int64_t step, const TrainingState& 
   } catch (const std::exception& e) {
     ZTRAIN_CHECK(false, "save_checkpoint: extra_json is not valid JSON: ", e.what());
   }
-  auto& rt = runtime();
+  auto& ctx = context_for(state.model);
+  auto& world = ctx.world();
   std::string tmp_dir;
-  on_rank0([&] {
+  on_rank0(world, [&] {
     fs::create_directories(root);
     tmp_dir = (fs::path(root) / c10::str(".", step_name(step), ".tmp-", ::getpid())).string();
     fs::remove_all(tmp_dir);
     fs::create_directories(tmp_dir);
   });
-  Publication p{.root = root, .tmp = rt.world().broadcast_bytes(tmp_dir, 0),
+  Publication p{.root = root, .tmp = world.broadcast_bytes(tmp_dir, 0),
                 .final_dir = fs::path(root) / step_name(step), .step = step, .options = options};
   save(state.model, (p.tmp / "model.safetensors").string());
   // Every rank's generator state, written by rank 0.
   const auto mine = at::detail::getDefaultCPUGenerator().get_state();
-  p.rng = rt.world().all_gather_bytes(
+  p.rng = world.all_gather_bytes(
       std::string_view(reinterpret_cast<const char*>(mine.data_ptr()), static_cast<size_t>(mine.nbytes())));
-  const auto& topo = rt.topology();
+  const auto& topo = ctx.topology();
   p.manifest = {{"format", "ztrain-checkpoint"},
                 {"version", 1},
                 {"step", step},
-                {"world", {{"size", rt.world_size()}, {"dp", topo.dp_size()}, {"tp", topo.tp_size()}, {"pp", topo.pp_size()}}},
+                {"world", {{"size", ctx.world_size()}, {"dp", topo.dp_size()}, {"tp", topo.tp_size()}, {"pp", topo.pp_size()}}},
                 {"optim_manager", manager_json(state.manager.state())},
                 {"extra", extra}};
   return p;
@@ -213,7 +221,7 @@ std::string save_checkpoint(const std::string& root, int64_t step, const Trainin
   detail::wait_for_background_save();  // checkpoints are published in the order they were saved
   const auto p = prepare(root, step, state, extra_json, options);
   save_optimizer_state(state.model, state.optimizer, (p.tmp / "optimizer.safetensors").string());
-  publish(p, runtime().world());
+  publish(p, context_for(state.model).world());
   return p.final_dir.string();
 }
 
@@ -227,7 +235,7 @@ PendingSave save_checkpoint_async(const std::string& root, int64_t step, const T
     write_optimizer(comms);
     publish(*p, *comms.world);  // only once the optimizer file is complete on every rank
   };
-  return detail::start_background_save(p->final_dir.string(), std::move(write));
+  return detail::start_background_save(&context_for(state.model), p->final_dir.string(), std::move(write));
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& root) {
@@ -246,9 +254,10 @@ std::optional<std::string> latest_checkpoint(const std::string& root) {
 }
 
 CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& state) {
-  auto& rt = runtime();
+  auto& ctx = context_for(state.model);
+  auto& world = ctx.world();
   json manifest;
-  on_rank0([&] {
+  on_rank0(world, [&] {
     manifest = read_manifest(dir);
     ZTRAIN_CHECK(manifest.value("format", "") == "ztrain-checkpoint", "checkpoint: '", dir,
                  "/manifest.json' is not a ztrain checkpoint manifest");
@@ -260,7 +269,7 @@ CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& stat
       ZTRAIN_CHECK(got == want, "checkpoint: '", path, "' is corrupt: its SHA-256 is ", got, ", the manifest says ", want);
     }
   });
-  manifest = json::parse(rt.world().broadcast_bytes(rt.rank() == 0 ? manifest.dump() : std::string(), 0));
+  manifest = json::parse(world.broadcast_bytes(world.rank() == 0 ? manifest.dump() : std::string(), 0));
 
   load(state.model, (fs::path(dir) / "model.safetensors").string());
   load_optimizer_state(state.model, state.optimizer, (fs::path(dir) / "optimizer.safetensors").string());
@@ -269,11 +278,11 @@ CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& stat
                       .step = manifest.at("step").get<int64_t>(),
                       .world_size = manifest.at("world").at("size").get<int>(),
                       .extra_json = manifest.at("extra").dump()};
-  if (info.world_size == rt.world_size()) {
+  if (info.world_size == world.size()) {
     ckpt::SafetensorsReader rng((fs::path(dir) / "rng.safetensors").string());
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng.read(c10::str("rank", rt.rank())));
+    gen.set_state(rng.read(c10::str("rank", world.rank())));
   }
   return info;
 }

@@ -3,7 +3,8 @@
 #include "sharded_io.h"
 
 #include <ztrain/error.h>
-#include <ztrain/runtime/pending_updates.h>
+#include <ztrain/runtime/parallel_context.h>
+#include <ztrain/runtime/parameter_record.h>
 
 #include <set>
 
@@ -12,7 +13,7 @@ namespace ztrain {
 namespace {
 /// The model's entries, once no asynchronous optimizer is still writing its parameters.
 std::vector<detail::ShardedEntry> model_entries(torch::nn::Module& model) {
-  wait_for_all_updates();
+  wait_for_updates(model);
   std::vector<detail::ShardedEntry> out;
   for (const auto& r : named_parameter_refs(model)) {
     out.push_back(detail::entry_of(r, r.name, r.owner ? r.owner->groups()[r.group].shard : r.tensor));
@@ -24,15 +25,17 @@ std::vector<detail::ShardedEntry> model_entries(torch::nn::Module& model) {
 void save(torch::nn::Module& model, const std::string& path, const SaveOptions& options) {
   auto metadata = options.metadata;
   metadata["format"] = "pt";
-  detail::write_sharded(path, model_entries(model), metadata, options.parallel, detail::runtime_comms());
+  detail::write_sharded(path, model_entries(model), metadata, options.parallel, detail::comms_of(context_of(model)));
 }
 
 void load(torch::nn::Module& model, const std::string& path, const LoadOptions& options) {
   ckpt::SafetensorsReader reader(path);
   const auto entries = model_entries(model);
+  const auto comms = detail::comms_of(context_of(model));
   std::vector<std::string> names;
   for (const auto& e : entries) names.push_back(e.name);
-  const auto all_names = options.strict ? detail::names_of_all_stages(names) : names;  // pipeline stages: the whole model's
+  // Pipeline stages: the whole model's names.
+  const auto all_names = options.strict ? detail::names_of_all_stages(names, comms.pp) : names;
   std::string error;
   try {
     std::vector<std::string> missing;
@@ -52,7 +55,7 @@ void load(torch::nn::Module& model, const std::string& path, const LoadOptions& 
   } catch (const std::exception& e) {
     error = e.what();
   }
-  detail::throw_if_any_failed(error);  // every rank, so none waits in a collective for one that failed
+  detail::throw_if_any_failed(error, comms.world);  // every rank, so none waits in a collective for one that failed
   for (const auto& e : entries) detail::read_sharded(reader, e);
 }
 

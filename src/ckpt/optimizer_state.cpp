@@ -4,8 +4,9 @@
 #include "sharded_io.h"
 
 #include <ztrain/error.h>
-#include <ztrain/optim/adam.h>
-#include <ztrain/runtime/init.h>
+#include <ztrain/optim/state_view.h>
+#include <ztrain/runtime/parallel_context.h>
+#include <ztrain/runtime/parameter_record.h>
 
 #include <nlohmann/json.hpp>
 
@@ -13,8 +14,8 @@
 #include <unordered_map>
 
 // How it works: every optimizer parameter is matched to the model parameters it holds — all
-// entries of a sharded module's group (its shard) or one plain parameter. A state tensor of
-// that parameter has the parameter's layout, so it is written with the same pieces and offsets
+// entries of a sharded module's group (its shard) or one plain parameter. Its state comes from
+// the optimizer-state view (optim/state_view.h); a state tensor has the parameter's layout, so it is written with the same pieces and offsets
 // as the parameter itself, one file entry per (model parameter, state name). Reading fills a
 // zeroed tensor laid out like the parameter with the elements this rank holds.
 
@@ -48,78 +49,6 @@ const Holder& holder_of(const std::unordered_map<const void*, Holder>& all, cons
   return it->second;
 }
 
-/// The state of one parameter: named tensors with the parameter's layout, and its step.
-struct ParamState {
-  std::map<std::string, torch::Tensor> tensors;
-  std::optional<int64_t> step;
-};
-
-const torch::optim::OptimizerParamState* torch_state(const torch::optim::Optimizer& opt, const torch::Tensor& p) {
-  auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
-  return it == opt.state().end() ? nullptr : it->second.get();
-}
-
-ParamState get_state(torch::optim::Optimizer& opt, const torch::Tensor& p) {
-  ParamState s;
-  auto put = [&](const char* name, const torch::Tensor& t) {
-    if (t.defined()) s.tensors[name] = t;
-  };
-  if (auto* ours = dynamic_cast<optim::AdamW*>(&opt)) {
-    if (const auto* a = ours->state_of(p)) {
-      put("exp_avg", a->exp_avg);
-      put("exp_avg_sq", a->exp_avg_sq);
-      put("master", a->master);
-      s.step = a->step;
-    }
-    return s;
-  }
-  const auto* base = torch_state(opt, p);
-  if (!base) return s;
-  if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(base)) {
-    put("exp_avg", a->exp_avg());
-    put("exp_avg_sq", a->exp_avg_sq());
-    put("max_exp_avg_sq", a->max_exp_avg_sq());
-    s.step = a->step();
-  } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(base)) {
-    put("exp_avg", w->exp_avg());
-    put("exp_avg_sq", w->exp_avg_sq());
-    put("max_exp_avg_sq", w->max_exp_avg_sq());
-    s.step = w->step();
-  } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(base)) {
-    put("momentum_buffer", g->momentum_buffer());
-  } else {
-    ZTRAIN_CHECK(false, "optimizer state: this optimizer's state type is not supported (ztrain AdamW/Adam, "
-                        "torch::optim Adam, AdamW, SGD are)");
-  }
-  return s;
-}
-
-void set_state(torch::optim::Optimizer& opt, const torch::Tensor& p, ParamState s) {
-  auto get = [&](const char* name) { return s.tensors.count(name) ? s.tensors.at(name) : torch::Tensor(); };
-  if (auto* ours = dynamic_cast<optim::AdamW*>(&opt)) {
-    ours->set_state(p, {.step = s.step.value_or(0), .exp_avg = get("exp_avg"), .exp_avg_sq = get("exp_avg_sq"),
-                        .master = get("master")});
-    return;
-  }
-  const auto key = c10::guts::to_string(p.unsafeGetTensorImpl());
-  if (dynamic_cast<torch::optim::Adam*>(&opt)) {
-    auto st = std::make_unique<torch::optim::AdamParamState>();
-    st->step(s.step.value_or(0)).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq")).max_exp_avg_sq(get("max_exp_avg_sq"));
-    opt.state()[key] = std::move(st);
-  } else if (dynamic_cast<torch::optim::AdamW*>(&opt)) {
-    auto st = std::make_unique<torch::optim::AdamWParamState>();
-    st->step(s.step.value_or(0)).exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq")).max_exp_avg_sq(get("max_exp_avg_sq"));
-    opt.state()[key] = std::move(st);
-  } else if (dynamic_cast<torch::optim::SGD*>(&opt)) {
-    auto st = std::make_unique<torch::optim::SGDParamState>();
-    st->momentum_buffer(get("momentum_buffer"));
-    opt.state()[key] = std::move(st);
-  } else {
-    ZTRAIN_CHECK(false, "optimizer state: this optimizer is not supported (ztrain AdamW/Adam, torch::optim Adam, "
-                        "AdamW, SGD are)");
-  }
-}
-
 std::vector<torch::Tensor> optimizer_params(const torch::optim::Optimizer& opt) {
   std::vector<torch::Tensor> out;
   for (const auto& g : opt.param_groups()) {
@@ -146,7 +75,7 @@ StateFile state_file(torch::nn::Module& model, torch::optim::Optimizer& optimize
     const auto& h = holder_of(all, p);
     // Every rank must describe the same entries: a state created lazily on a step counts
     // everywhere, because all ranks step the same parameters.
-    auto s = get_state(optimizer, p);
+    auto s = optim::state_of(optimizer, p);
     for (const auto& [name, t] : s.tensors) {
       ZTRAIN_CHECK(t.numel() == p.numel(), "optimizer state '", name, "' has ", t.numel(), " elements, its parameter ",
                    p.numel());
@@ -158,8 +87,9 @@ StateFile state_file(torch::nn::Module& model, torch::optim::Optimizer& optimize
       for (const auto& r : h.refs) steps[r.name] = *s.step;
     }
   }
-  if (is_initialized() && runtime().pp().size() > 1) {  // the file's metadata is world rank 0's: every stage's steps
-    for (const auto& part : runtime().pp().all_gather_bytes(steps.dump())) steps.update(nlohmann::json::parse(part));
+  auto* context = context_of(model);
+  if (context && context->pp().size() > 1) {  // the file's metadata is world rank 0's: every stage's steps
+    for (const auto& part : context->pp().all_gather_bytes(steps.dump())) steps.update(nlohmann::json::parse(part));
   }
   out.metadata = options.metadata;
   out.metadata["format"] = "ztrain-optimizer";
@@ -172,7 +102,7 @@ StateFile state_file(torch::nn::Module& model, torch::optim::Optimizer& optimize
 void save_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const std::string& path,
                           const SaveOptions& options) {
   auto file = state_file(model, optimizer, options);
-  detail::write_sharded(path, file.entries, file.metadata, options.parallel, detail::runtime_comms());
+  detail::write_sharded(path, file.entries, file.metadata, options.parallel, detail::comms_of(context_of(model)));
 }
 
 namespace detail {
@@ -192,7 +122,8 @@ std::function<void(const SaveComms&)> optimizer_state_writer(torch::nn::Module& 
 PendingSave save_optimizer_state_async(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                        const std::string& path, const SaveOptions& options) {
   detail::wait_for_background_save();  // one copy in memory at a time
-  return detail::start_background_save(path, detail::optimizer_state_writer(model, optimizer, path, options));
+  return detail::start_background_save(context_of(model), path,
+                                       detail::optimizer_state_writer(model, optimizer, path, options));
 }
 
 void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const std::string& path) {
@@ -204,7 +135,7 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
   const auto steps = nlohmann::json::parse(meta.count("steps") ? meta.at("steps") : "{}");
   for (const auto& p : optimizer_params(optimizer)) {
     const auto& h = holder_of(all, p);
-    ParamState s;
+    optim::ParameterState s;
     // The states saved for this parameter: those of its first model parameter.
     const std::string prefix = h.refs.front().name + ".";
     for (const auto& info : reader.entries()) {
@@ -216,7 +147,7 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
       s.tensors[state] = t.view(p.sizes());
     }
     if (steps.contains(h.refs.front().name)) s.step = steps.at(h.refs.front().name).get<int64_t>();
-    if (!s.tensors.empty()) set_state(optimizer, p, std::move(s));
+    if (!s.tensors.empty()) optim::set_state(optimizer, p, std::move(s));
   }
 }
 

@@ -3,7 +3,7 @@
 #include "background_save.h"
 
 #include <ztrain/error.h>
-#include <ztrain/runtime/init.h>
+#include <ztrain/runtime/parallel_context.h>
 
 #include <condition_variable>
 #include <iostream>
@@ -11,10 +11,12 @@
 #include <thread>
 
 // How it works: one BackgroundWriter per process runs saves one after another, each on a thread
-// of its own (started when the previous one has finished and been joined). Its communicators
-// are duplicates of the runtime's, made by the first save, so a write's collectives never share
-// an MPI communicator with the training thread's and the two progress independently. A save's
-// outcome lives in a SaveJob shared by the thread and the handle.
+// of its own (started when the previous one has finished and been joined), so that checkpoints
+// are published in the order they were saved and only one copy of optimizer state waits in
+// memory. A save runs its collectives on the background context of the model's ParallelContext
+// (duplicates of its communicators, made by the first save), so they never share a communicator
+// with the training thread's and the two progress independently. A save's outcome lives in a
+// SaveJob shared by the thread and the handle.
 
 namespace ztrain {
 
@@ -65,11 +67,11 @@ class BackgroundWriter {
     if (job) job->await(false);
   }
 
-  PendingSave start(std::string path, std::function<void(const SaveComms&)> write) {
+  PendingSave start(ParallelContext* context, std::string path, std::function<void(const SaveComms&)> write) {
     wait_idle();
     std::lock_guard<std::mutex> lock(mutex_);
     if (thread_.joinable()) thread_.join();
-    const auto comms = communicators();
+    const auto comms = comms_of(context ? &context->background_context() : nullptr);
     auto job = std::make_shared<SaveJob>();
     job->path = std::move(path);
     thread_ = std::thread([job, comms, write = std::move(write)]() mutable {
@@ -87,21 +89,7 @@ class BackgroundWriter {
   }
 
  private:
-  /// The runtime's communicators duplicated (collective, on the first save with a runtime).
-  SaveComms communicators() {
-    if (!is_initialized()) return {};
-    if (!world_) {
-      auto& rt = runtime();
-      world_ = rt.world().dup(rt.world().name() + ".save");
-      dp_ = rt.dp().dup(rt.dp().name() + ".save");
-      tp_ = rt.tp().dup(rt.tp().name() + ".save");
-      pp_ = rt.pp().dup(rt.pp().name() + ".save");
-    }
-    return {.world = world_.get(), .dp = dp_.get(), .tp = tp_.get(), .pp = pp_.get()};
-  }
-
   std::mutex mutex_;
-  std::unique_ptr<Communicator> world_, dp_, tp_, pp_;
   std::shared_ptr<SaveJob> current_;
   std::thread thread_;
 };
@@ -115,8 +103,9 @@ BackgroundWriter& writer() {
 
 void wait_for_background_save() noexcept { writer().wait_idle(); }
 
-PendingSave start_background_save(std::string path, std::function<void(const SaveComms&)> write) {
-  return writer().start(std::move(path), std::move(write));
+PendingSave start_background_save(ParallelContext* context, std::string path,
+                                  std::function<void(const SaveComms&)> write) {
+  return writer().start(context, std::move(path), std::move(write));
 }
 
 }  // namespace detail

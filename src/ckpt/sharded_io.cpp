@@ -1,8 +1,7 @@
 #include "sharded_io.h"
 
 #include <ztrain/error.h>
-#include <ztrain/runtime/init.h>
-#include <ztrain/tp/split.h>
+#include <ztrain/runtime/parallel_context.h>
 
 #include <sys/stat.h>
 
@@ -20,13 +19,13 @@ bool any_sharded(const std::vector<ShardedEntry>& entries) {
   return false;
 }
 
-/// Element offset of entry `e` in a source laid out like the group's shard, for piece `p`.
+/// Element offset of piece `p` of entry `e` in its source.
 int64_t source_offset(const ShardedEntry& e, const ShardPiece& p) {
-  if (e.zero_level >= 1) return p.shard_offset;
-  return e.layout->entries()[e.entry].offset + p.begin;  // level 0: full
+  if (e.sharded_source) return p.shard_offset;
+  return e.layout->entries()[e.entry].offset + p.begin;  // the whole flat buffer
 }
 
-/// The pieces of `e` this rank holds (every rank splits level-0 entries the same way).
+/// The pieces of `e` this rank holds (every rank splits replicated entries the same way).
 std::vector<ShardPiece> own_pieces(const ShardedEntry& e, int rank) {
   std::vector<ShardPiece> out;
   for (const auto& p : e.layout->pieces(rank)) {
@@ -45,7 +44,7 @@ class DpGatherer {
   torch::Tensor local(const ShardedEntry& e) {
     if (!e.layout) return e.source.detach();
     const auto& layout = *e.layout;
-    if (e.zero_level == 0 || !dp_) {
+    if (!e.sharded_source || !dp_) {
       full_ = e.source.detach();
     } else if (!from_.defined() || !from_.is_same(e.source)) {
       full_ = torch::empty({layout.total_numel()}, e.source.options());
@@ -72,7 +71,7 @@ struct Party {
 
 /// The unsplit value of a tensor-parallel entry (collective over dp and tp).
 torch::Tensor unsplit(DpGatherer& gatherer, const ShardedEntry& e, const Party& party) {
-  return tp::assemble(gatherer.local(e), *e.split, *party.tp);
+  return assemble(gatherer.local(e), *e.split, *party.tp);
 }
 
 /// Each rank writes the pieces it holds: dp shards of the first tp rank's replicas directly,
@@ -197,8 +196,9 @@ bool visible(const std::string& path) {
 ShardedEntry entry_of(const NamedParameterRef& r, std::string name, const torch::Tensor& source) {
   return {.name = std::move(name), .dtype = source.scalar_type(), .shape = r.full_shape(),
           .layout = r.owner ? &r.owner->groups()[r.group].layout : nullptr,
-          .zero_level = r.owner ? r.owner->zero_level() : 0, .entry = r.entry, .source = source,
-          .split = r.tp_split()};
+          .sharded_source = r.owner && r.owner->policy().shards_optimizer_state, .entry = r.entry, .source = source,
+          .split = r.tp_split(), .tp_group = r.tp_split() ? r.tp_group : nullptr,
+          .dp_rank = r.owner ? r.owner->context().dp().rank() : 0};
 }
 
 EntrySnapshot snapshot(const std::vector<ShardedEntry>& entries) {
@@ -220,18 +220,17 @@ EntrySnapshot snapshot(const std::vector<ShardedEntry>& entries) {
   return out;
 }
 
-SaveComms runtime_comms() {
-  if (!is_initialized()) return {};
-  auto& rt = runtime();
-  return {.world = &rt.world(), .dp = &rt.dp(), .tp = &rt.tp(), .pp = &rt.pp()};
+SaveComms comms_of(ParallelContext* context) {
+  if (!context) return {};
+  return {.world = &context->world(), .dp = &context->dp(), .tp = &context->tp(), .pp = &context->pp()};
 }
 
-std::vector<std::string> names_of_all_stages(const std::vector<std::string>& names) {
-  if (!is_initialized() || runtime().pp().size() == 1) return names;
+std::vector<std::string> names_of_all_stages(const std::vector<std::string>& names, Communicator* pp) {
+  if (!pp || pp->size() == 1) return names;
   std::string bytes;
   for (const auto& n : names) bytes += n + '\0';
   std::vector<std::string> out;
-  for (const auto& part : runtime().pp().all_gather_bytes(bytes)) {
+  for (const auto& part : pp->all_gather_bytes(bytes)) {
     for (size_t at = 0, end; at < part.size(); at = end + 1) {
       end = part.find('\0', at);
       out.push_back(part.substr(at, end - at));
@@ -299,34 +298,34 @@ void check_entry(const ckpt::SafetensorsReader& reader, const ShardedEntry& e) {
                c10::IntArrayRef(info.shape), ", the model's ", c10::IntArrayRef(e.shape));
 }
 
-void throw_if_any_failed(const std::string& error) {
-  if (!is_initialized()) {
+void throw_if_any_failed(const std::string& error, Communicator* world) {
+  if (!world) {
     ZTRAIN_CHECK(error.empty(), error);
     return;
   }
-  const auto all = runtime().world().all_gather_bytes(error);
+  const auto all = world->all_gather_bytes(error);
   for (size_t r = 0; r < all.size(); ++r) {
-    ZTRAIN_CHECK(all[r].empty(), all[r], static_cast<int>(r) == runtime().rank() ? "" : c10::str(" (on rank ", r, ")"));
+    ZTRAIN_CHECK(all[r].empty(), all[r], static_cast<int>(r) == world->rank() ? "" : c10::str(" (on rank ", r, ")"));
   }
 }
 
 void read_sharded(const ckpt::SafetensorsReader& reader, const ShardedEntry& e) {
   check_entry(reader, e);
   torch::NoGradGuard no_grad;
-  torch::Tensor slice;  // a tensor-parallel entry: this tp rank's slice, flat
-  if (e.split) slice = tp::slice(reader.read(e.name), *e.split, tp::group_rank(), tp::group_size()).view(-1);
+  torch::Tensor local;  // a tensor-parallel entry: this tp rank's slice, flat
+  if (e.split) local = slice(reader.read(e.name), *e.split, e.tp_group->rank(), e.tp_group->size()).view(-1);
   if (!e.layout) {
-    e.source.copy_(slice.defined() ? slice.view_as(e.source) : reader.read(e.name));
+    e.source.copy_(local.defined() ? local.view_as(e.source) : reader.read(e.name));
     return;
   }
   const auto& entry = e.layout->entries()[e.entry];
-  if (e.zero_level == 0) {
-    e.source.narrow(0, entry.offset, entry.numel).copy_(slice.defined() ? slice : reader.read(e.name).reshape(-1));
+  if (!e.sharded_source) {
+    e.source.narrow(0, entry.offset, entry.numel).copy_(local.defined() ? local : reader.read(e.name).reshape(-1));
     return;
   }
-  for (const auto& p : own_pieces(e, runtime().dp().rank())) {
+  for (const auto& p : own_pieces(e, e.dp_rank)) {
     const int64_t n = p.end - p.begin;
-    e.source.narrow(0, p.shard_offset, n).copy_(slice.defined() ? slice.narrow(0, p.begin, n)
+    e.source.narrow(0, p.shard_offset, n).copy_(local.defined() ? local.narrow(0, p.begin, n)
                                                                   : reader.read_range(e.name, p.begin, n));
   }
 }

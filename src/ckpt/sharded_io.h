@@ -14,20 +14,24 @@
 namespace ztrain::detail {
 
 /// One file entry: the full tensor `name` [shape] of entry `entry` of a sharded module's group
-/// laid out by `layout` at ZeRO level `zero_level`. `source` holds this rank's part laid out
-/// like the group's shard — the group's shard (the full buffer at level 0) or an optimizer
-/// state shaped like it. Without a layout, `source` is the whole tensor of a plain parameter
-/// (the same on every dp rank). With `split` (set only when the tp group has several ranks)
-/// the parameter is this tp rank's slice and `shape` the unsplit one.
+/// laid out by `layout`. `source` holds this rank's part laid out like what the optimizer
+/// updates — this rank's shard when `sharded_source` (the level's policy shards the optimizer
+/// state), else the whole flat buffer — the group's tensor itself or an optimizer state shaped
+/// like it. Without a layout, `source` is the whole tensor of a plain parameter (the same on
+/// every dp rank). With `split` (set only when the tp group has several ranks) the parameter is
+/// this tp rank's slice of `tp_group` and `shape` the unsplit one.
 struct ShardedEntry {
   std::string name;
   c10::ScalarType dtype;
   std::vector<int64_t> shape;
   const FlatParamLayout* layout = nullptr;
-  int zero_level = 0;
+  bool sharded_source = false;
   size_t entry = 0;
   torch::Tensor source;
-  std::optional<tp::Split> split;
+  std::optional<TensorSplit> split;
+  Communicator* tp_group = nullptr;
+  /// This rank's place in the dp group the layout shards over.
+  int dp_rank = 0;
 };
 
 /// The entry of parameter `r` whose values are `source` (as ShardedEntry::source).
@@ -42,17 +46,18 @@ struct EntrySnapshot {
 };
 EntrySnapshot snapshot(const std::vector<ShardedEntry>& entries);
 
-/// The communicators a save runs its collectives on: the runtime's for a save on the thread
-/// that trains, duplicates of them for one on a background thread (so the two never interleave
-/// collectives on one communicator). All null without a runtime: one process writes alone.
+/// The communicators a save runs its collectives on: the model's context's for a save on the
+/// thread that trains, its background context's for one on a background thread (so the two
+/// never interleave collectives on one communicator). All null without a context: one process
+/// writes alone.
 struct SaveComms {
   Communicator* world = nullptr;
   Communicator* dp = nullptr;
   Communicator* tp = nullptr;
   Communicator* pp = nullptr;
 };
-/// The runtime's world, dp, tp and pp communicators (all null when there is no runtime).
-SaveComms runtime_comms();
+/// The world, dp, tp and pp communicators of `context` (all null for none).
+SaveComms comms_of(ParallelContext* context);
 
 /// Writes every entry to `path`, collective over `comms.world`, all-gathering ZeRO shards over
 /// `comms.dp` and tensor-parallel slices over `comms.tp`. The ranks of one pipeline stage
@@ -63,16 +68,15 @@ SaveComms runtime_comms();
 void write_sharded(const std::string& path, const std::vector<ShardedEntry>& entries, ckpt::Metadata metadata,
                    std::optional<bool> parallel, const SaveComms& comms);
 
-/// The union of every pipeline stage's `names` (collective over the runtime's pp group; just
-/// `names` without a runtime).
-std::vector<std::string> names_of_all_stages(const std::vector<std::string>& names);
+/// The union of every pipeline stage's `names` (collective over `pp`; just `names` without one).
+std::vector<std::string> names_of_all_stages(const std::vector<std::string>& names, Communicator* pp);
 
 /// Throws ztrain::Error when the file lacks entry `e` or holds it with another shape.
 void check_entry(const ckpt::SafetensorsReader& reader, const ShardedEntry& e);
 
-/// Collective over the runtime's world: throws ztrain::Error, on every rank, with the first
-/// failing rank's `error` when any rank's is not empty (just `error` without a runtime).
-void throw_if_any_failed(const std::string& error);
+/// Collective over `world`: throws ztrain::Error, on every rank, with the first failing rank's
+/// `error` when any rank's is not empty (just `error` without a world).
+void throw_if_any_failed(const std::string& error, Communicator* world);
 
 /// Fills `e.source` from the file: the elements this rank holds (padding untouched). Converts
 /// dtypes. Throws ztrain::Error naming the entry and the file on a missing entry or a shape

@@ -76,6 +76,7 @@ Work CommStream::submit(std::function<void(Communicator&)> fn, const std::string
     std::lock_guard<std::mutex> lock(mutex_);
     ZTRAIN_CHECK(!stopping_, "CommStream '", comm_->name(), "' is shutting down");
     queue_.push_back({std::move(fn), std::move(state)});
+    ++outstanding_;
     last_ = work;
   }
   cv_.notify_one();
@@ -94,15 +95,21 @@ void CommStream::run() {
     }
     if (failure_) {
       task.state->finish(failure_);
-      continue;
+    } else {
+      try {
+        task.fn(*comm_);
+        task.state->finish(nullptr);
+      } catch (...) {
+        failure_ = std::current_exception();
+        task.state->finish(failure_);
+      }
     }
-    try {
-      task.fn(*comm_);
-      task.state->finish(nullptr);
-    } catch (...) {
-      failure_ = std::current_exception();
-      task.state->finish(failure_);
+    task = Task();  // what the operation held goes before it counts as done
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --outstanding_;
     }
+    drained_.notify_all();
   }
 }
 
@@ -132,6 +139,17 @@ Work CommStream::recv(torch::Tensor tensor, int src, int tag) {
 
 Work CommStream::barrier() {
   return submit([](Communicator& c) { c.barrier(); }, "barrier");
+}
+
+void CommStream::throttle(size_t n) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto limit = comm_->timeout();
+  if (!drained_.wait_for(lock, limit, [&] { return outstanding_ <= n; })) {
+    throw CommError(c10::str("ztrain: stream '", comm_->name(), "' still had ", outstanding_,
+                             " operations after ", limit.count() / 1000.0,
+                             " s of waiting (operations queued on it may be stuck on a dead or slow peer)"),
+                    -1, comm_->name(), -1);
+  }
 }
 
 void CommStream::synchronize() {

@@ -428,13 +428,17 @@ void sum_to_all(float* const* buffers, int n, int64_t count) {
 
 namespace ztrain {
 
+c10::Allocator* host_shared_allocator() {
+  static detail::HostSharedAllocator allocator;
+  return &allocator;
+}
+
 torch::Tensor host_shared_empty(at::IntArrayRef sizes, const torch::TensorOptions& options) {
   ZTRAIN_CHECK(options.device().is_cpu(), "host_shared_empty: host-shared memory is CPU memory, got device ",
                options.device());
   ZTRAIN_CHECK(options.layout() == at::kStrided, "host_shared_empty: only strided tensors, got layout ",
                options.layout());
-  static detail::HostSharedAllocator allocator;
-  auto t = at::detail::empty_generic(sizes, &allocator, c10::DispatchKeySet(c10::DispatchKey::CPU),
+  auto t = at::detail::empty_generic(sizes, host_shared_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                      c10::typeMetaToScalarType(options.dtype()), c10::nullopt);
   return torch::Tensor(std::move(t)).set_requires_grad(options.requires_grad());
 }

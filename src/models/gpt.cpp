@@ -65,18 +65,19 @@ double GptConfig::flops_per_token(int64_t seq) const {
 
 namespace {
 /// GPT-2's Conv1D layout ([in, out]) for the parallel linears.
-tp::ColumnParallelLinear column(int64_t in, int64_t out, int64_t parts = 1) {
+tp::ColumnParallelLinear column(int64_t in, int64_t out, Communicator* tp, int64_t parts = 1) {
   return tp::ColumnParallelLinear(
-      {.in_features = in, .out_features = out, .fused_parts = parts, .layout = tp::WeightLayout::kInOut});
+      {.in_features = in, .out_features = out, .fused_parts = parts, .layout = tp::WeightLayout::kInOut}, tp);
 }
-tp::RowParallelLinear row(int64_t in, int64_t out) {
-  return tp::RowParallelLinear({.in_features = in, .out_features = out, .layout = tp::WeightLayout::kInOut});
+tp::RowParallelLinear row(int64_t in, int64_t out, Communicator* tp) {
+  return tp::RowParallelLinear({.in_features = in, .out_features = out, .layout = tp::WeightLayout::kInOut}, tp);
 }
+int size_of(const Communicator* tp) { return tp ? tp->size() : 1; }
 }  // namespace
 
-GptAttentionImpl::GptAttentionImpl(const GptConfig& c)
-    : n_head(c.n_head / tp::group_size()), head_dim(c.d_model / c.n_head), c_attn(column(c.d_model, 3 * c.d_model, 3)),
-      c_proj(row(c.d_model, c.d_model)),
+GptAttentionImpl::GptAttentionImpl(const GptConfig& c, Communicator* tp)
+    : n_head(c.n_head / size_of(tp::resolve_group(tp))), head_dim(c.d_model / c.n_head), c_attn(column(c.d_model, 3 * c.d_model, tp, 3)),
+      c_proj(row(c.d_model, c.d_model, tp)),
       attn_dropout(c.dropout), resid_dropout(c.dropout) {
   register_module("c_attn", c_attn);
   register_module("c_proj", c_proj);
@@ -95,8 +96,8 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   return resid_dropout(c_proj(y));
 }
 
-GptMlpImpl::GptMlpImpl(const GptConfig& c)
-    : c_fc(column(c.d_model, 4 * c.d_model)), c_proj(row(4 * c.d_model, c.d_model)), dropout(c.dropout) {
+GptMlpImpl::GptMlpImpl(const GptConfig& c, Communicator* tp)
+    : c_fc(column(c.d_model, 4 * c.d_model, tp)), c_proj(row(4 * c.d_model, c.d_model, tp)), dropout(c.dropout) {
   register_module("c_fc", c_fc);
   register_module("c_proj", c_proj);
   register_module("dropout", dropout);
@@ -104,9 +105,9 @@ GptMlpImpl::GptMlpImpl(const GptConfig& c)
 
 torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) { return dropout(c_proj(torch::gelu(c_fc(x), "tanh"))); }
 
-GptBlockImpl::GptBlockImpl(const GptConfig& c)
+GptBlockImpl::GptBlockImpl(const GptConfig& c, Communicator* tp)
     : ln_1(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)),
-      ln_2(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)), attn(c), mlp(c) {
+      ln_2(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)), attn(c, tp), mlp(c, tp) {
   register_module("ln_1", ln_1);
   register_module("attn", attn);
   register_module("ln_2", ln_2);
@@ -118,15 +119,15 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   return h + mlp(ln_2(h));
 }
 
-GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options)
-    : wte(tp::slice(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02), {.dim = 0}, tp::group_rank(),
-                    tp::group_size())
+GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options, Communicator& tp)
+    : wte(tp::slice(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02), {.dim = 0}, tp.rank(), tp.size())
               .to(c.dtype),
-          {.zero_level = options.zero_level, .tp_split = tp::Split{.dim = 0}}),
-      wpe(torch::empty({c.context, c.d_model}).normal_(0.0, 0.01).to(c.dtype), {.zero_level = options.zero_level}),
+          {.zero_level = options.zero_level, .tp_split = tp::Split{.dim = 0}, .context = options.context}),
+      wpe(torch::empty({c.context, c.d_model}).normal_(0.0, 0.01).to(c.dtype),
+          {.zero_level = options.zero_level, .context = options.context}),
       h(c.n_layer,
         [&](int64_t) {
-          GptBlock block(c);
+          GptBlock block(c, &tp);
           block->to(c.dtype);
           return block;
         },
@@ -137,7 +138,7 @@ GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& o
             ln->to(c.dtype);
             return ln;
           }(),
-          {.zero_level = options.zero_level, .use_checkpoint = false}),
+          {.zero_level = options.zero_level, .use_checkpoint = false, .context = options.context}),
       drop(c.dropout) {
   register_module("wte", wte);
   register_module("wpe", wpe);
@@ -148,10 +149,15 @@ GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& o
 
 // ---- the model ---------------------------------------------------------------------------------
 
+namespace {
+/// The tp group of the context the options name (the default context's when not set).
+Communicator& tp_of(const BlockOptions& options) { return context_or_default(options.context)->tp(); }
+}  // namespace
+
 GptImpl::GptImpl(GptConfig config, BlockOptions options)
-    : transformer((config.validate(tp::group_size()), config), options),
+    : transformer((config.validate(tp_of(options).size()), config), options, tp_of(options)),
       config_(std::move(config)),
-      tp_(tp::group_size() > 1 ? &runtime().tp() : nullptr) {
+      tp_(tp_of(options).size() > 1 ? &tp_of(options) : nullptr) {
   register_module("transformer", transformer);
 }
 

@@ -8,7 +8,11 @@ namespace ztrain::models {
 
 namespace {
 
-Communicator* tp_group() { return tp::group_size() > 1 ? &runtime().tp() : nullptr; }
+/// The tp group of the options' context when it has several ranks, else null.
+Communicator* split_group(const BlockOptions& options) {
+  auto& tp = options.context->tp();
+  return tp.size() > 1 ? &tp : nullptr;
+}
 
 /// `module` cast to dtype, wrapped alone in a Block without recomputation (the ends of the
 /// model are cheap to keep).
@@ -24,10 +28,11 @@ std::shared_ptr<BlockImpl<M>> end_block(M module, const GptConfig& c, const Bloc
 
 // ---- the head ----------------------------------------------------------------------------------
 
-GptHeadImpl::GptHeadImpl(const GptConfig& c) : tp(tp_group()) {
+GptHeadImpl::GptHeadImpl(const GptConfig& c, Communicator* group) : tp(group) {
   // Zeros until init_parameters, a load or the tie with the embedding sets it.
-  weight = register_parameter("weight", torch::zeros({c.vocab_size / tp::group_size(), c.d_model}, c.dtype));
-  tp::set_split(weight, {.dim = 0});
+  const int64_t parts = tp ? tp->size() : 1;
+  weight = register_parameter("weight", torch::zeros({c.vocab_size / parts, c.d_model}, c.dtype));
+  declare_split("weight", weight, {.dim = 0}, tp);
 }
 
 torch::Tensor GptHeadImpl::forward(const torch::Tensor& x, const torch::Tensor& targets) {
@@ -46,7 +51,7 @@ GptChunkImpl::GptChunkImpl(const GptConfig& c, const BlockOptions& options, int6
       h(
           last - first,
           [&](int64_t) {
-            GptBlock block(c);
+            GptBlock block(c, &options.context->tp());
             block->to(c.dtype);
             return block;
           },
@@ -54,7 +59,8 @@ GptChunkImpl::GptChunkImpl(const GptConfig& c, const BlockOptions& options, int6
       drop(c.dropout) {
   if (has_embedding) {
     wte = register_module("wte", end_block(tp::VocabParallelEmbedding({.num_embeddings = c.vocab_size,
-                                                                        .embedding_dim = c.d_model}),
+                                                                        .embedding_dim = c.d_model},
+                                                                       &options.context->tp()),
                                            c, options));
     wpe = register_module("wpe", end_block(torch::nn::Embedding(c.context, c.d_model), c, options));
     register_module("drop", drop);
@@ -63,7 +69,7 @@ GptChunkImpl::GptChunkImpl(const GptConfig& c, const BlockOptions& options, int6
   if (has_head) {
     ln_f = register_module(
         "ln_f", end_block(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)), c, options));
-    head = register_module("head", end_block(GptHead(c), c, options));
+    head = register_module("head", end_block(GptHead(c, split_group(options)), c, options));
   }
 }
 
@@ -86,10 +92,10 @@ pipe::TensorList GptChunkImpl::forward(const pipe::TensorList& inputs, const pip
 // ---- the pipeline ------------------------------------------------------------------------------
 
 GptPipelineImpl::GptPipelineImpl(GptConfig config, BlockOptions options, GptPipelineOptions pipeline)
-    : config_(std::move(config)) {
-  config_.validate(tp::group_size());
-  auto& rt = runtime();
-  const int p = rt.pp().size(), s = rt.pp().rank(), v = pipeline.chunks;
+    : config_(std::move(config)), context_(context_or_default(options.context)) {
+  options.context = context_;
+  config_.validate(context_->tp().size());
+  const int p = context_->pp().size(), s = context_->pp().rank(), v = pipeline.chunks;
   ZTRAIN_CHECK(p >= 2, "GptPipeline: needs at least two pipeline stages (init_distributed's pp_size), got ", p,
                "; use Gpt for one");
   ZTRAIN_CHECK(v >= 1, "GptPipeline: chunks must be >= 1, got ", v);
@@ -118,8 +124,9 @@ GptPipelineImpl::GptPipelineImpl(GptConfig config, BlockOptions options, GptPipe
     chunks_.push_back(chunk);
     stages.push_back(chunk.ptr());
   }
-  pipeline_ = std::make_unique<pipe::Pipeline>(std::move(stages),
-                                               pipe::PipelineOptions{.schedule = pipeline.schedule, .broadcast_loss = true});
+  pipeline_ = std::make_unique<pipe::Pipeline>(
+      std::move(stages),
+      pipe::PipelineOptions{.schedule = pipeline.schedule, .broadcast_loss = true, .context = context_});
   std::vector<torch::Tensor> tied;
   for (auto& chunk : chunks_) {
     if (chunk->wte) tied = chunk->wte->parameters();
@@ -143,11 +150,11 @@ std::vector<pipe::TensorList> GptPipelineImpl::checked(const std::vector<torch::
 
 torch::Tensor GptPipelineImpl::forward_backward_step(const std::vector<torch::Tensor>& micro_batches,
                                                      double loss_scale) {
-  return sum_loss(pipeline_->forward_backward_step(checked(micro_batches), loss_scale));
+  return sum_loss(pipeline_->forward_backward_step(checked(micro_batches), loss_scale), context_.get());
 }
 
 torch::Tensor GptPipelineImpl::loss(const std::vector<torch::Tensor>& micro_batches) {
-  return sum_loss(pipeline_->evaluate(checked(micro_batches)));
+  return sum_loss(pipeline_->evaluate(checked(micro_batches)), context_.get());
 }
 
 std::vector<std::pair<int64_t, int64_t>> GptPipelineImpl::layers() const {

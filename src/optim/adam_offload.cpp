@@ -1,18 +1,22 @@
 #include <ztrain/optim/adam_offload.h>
 
-#include <ztrain/runtime/pending_updates.h>
-#include <ztrain/zero/sharded_module.h>
 
 namespace ztrain::optim {
 
-AdamOffload::AdamOffload(std::vector<torch::optim::OptimizerParamGroup> param_groups, AdamOptions defaults,
-                         AdamEngineOptions engine)
-    : AdamW(std::move(param_groups), std::move(defaults), engine) {
-  start();
+namespace {
+std::vector<torch::Tensor> tensors_of(const std::vector<RecordedParameter>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.tensor);
+  return out;
 }
+}  // namespace
 
-AdamOffload::AdamOffload(std::vector<torch::Tensor> params, AdamOptions defaults, AdamEngineOptions engine)
-    : AdamW(std::move(params), std::move(defaults), engine) {
+AdamOffload::AdamOffload(torch::nn::Module& model, AdamOptions defaults, AdamEngineOptions engine)
+    : AdamOffload(recorded_parameters(model), std::move(defaults), engine) {}
+
+AdamOffload::AdamOffload(const std::vector<RecordedParameter>& params, AdamOptions defaults, AdamEngineOptions engine)
+    : AdamW(tensors_of(params), std::move(defaults), engine) {
+  for (const auto& p : params) fenced_.emplace_back(p.tensor, p.record ? p.record->update : nullptr);
   start();
 }
 
@@ -79,17 +83,22 @@ torch::Tensor AdamOffload::step(LossClosure closure) {
   struct Deferred {
     torch::Tensor param, grad;
     const AdamOptions* options;
+    std::shared_ptr<UpdateFence> fence;
   };
   std::vector<Deferred> deferred;
-  for (auto& group : param_groups_) {
-    const auto& options = static_cast<const AdamOptions&>(group.options());
-    for (auto& p : group.params()) {
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& options = static_cast<const AdamOptions&>(param_groups_[g].options());
+    auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto& p = params[i];
       if (!p.grad().defined()) continue;
       auto grad = p.grad();
       p.mutable_grad().reset();  // the step takes the gradient
-      if (is_sharded_module_tensor(p)) {
+      const bool same = g == 0 && i < fenced_.size() && fenced_[i].first.is_same(p);
+      auto fence = same ? fenced_[i].second : nullptr;
+      if (fence) {
         state_for(p);  // created here, so the update thread never inserts into the state map
-        deferred.push_back({p, grad, &options});
+        deferred.push_back({p, grad, &options, std::move(fence)});
       } else {
         update(p, grad, options);
       }
@@ -99,7 +108,7 @@ torch::Tensor AdamOffload::step(LossClosure closure) {
   for (auto& d : deferred) {
     auto promise = std::make_shared<std::promise<void>>();
     std::shared_future<void> done = promise->get_future().share();
-    mark_pending_update(d.param, done);
+    d.fence->set(done);
     in_flight_.push_back(done);
     // Options are copied: a scheduler may change the group's lr before the update runs.
     queue_.push_back([this, d, options = *d.options, promise] {

@@ -1,15 +1,15 @@
 #include <ztrain/optim/optim_manager.h>
 
 #include <ztrain/error.h>
-#include <ztrain/pipe/pipeline.h>
-#include <ztrain/runtime/init.h>
-#include <ztrain/zero/sharded_module.h>
+#include <ztrain/runtime/parameter_record.h>
 
 #include <cmath>
+#include <unordered_map>
 
 namespace ztrain::optim {
 
-OptimManager::OptimManager(LossScaler scaler) : scaler_(std::move(scaler)) {}
+OptimManager::OptimManager(torch::nn::Module& model, LossScaler scaler)
+    : model_(model), context_(context_of(model)), scaler_(std::move(scaler)) {}
 
 void OptimManager::add_optimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<LRScheduler> scheduler) {
   for (auto* o : optimizers_) ZTRAIN_CHECK(o != &optimizer, "OptimManager: this optimizer was added already");
@@ -42,13 +42,11 @@ void OptimManager::zero_grad() {
 void OptimManager::backward(const torch::Tensor& loss) {
   ZTRAIN_CHECK(loss.numel() == 1, "OptimManager::backward: the loss must have one element, got ", loss.sizes());
   const double scale = scaler_.scale();
-  (scale == 1.0 ? loss : loss * scale).backward();
-  wait_gradient_reductions();
+  (scale == 1.0 ? loss : loss * scale).backward();  // returns once gradient reductions have landed
   unscaled_ = false;
 }
 
 void OptimManager::unscale() {
-  wait_gradient_reductions();
   if (unscaled_) return;
   unscaled_ = true;
   const double scale = scaler_.scale();
@@ -60,23 +58,29 @@ void OptimManager::unscale() {
 double OptimManager::grad_norm() {
   unscale();
   // Each element once: a dp-sharded gradient is distinct on every dp rank, a tensor-parallel
-  // one on every tp rank; a replicated one is the same on all ranks of its group, so each copy
-  // contributes 1/size of its square sum. Likewise for a parameter tied across pipeline
-  // stages (pipe::tied_copies). The world sum covers every pipeline stage.
-  const int dp = is_initialized() ? runtime().dp().size() : 1;
-  const int tp = tp::group_size();
+  // one on every rank of its tp group; a replicated one is the same on all ranks of its group,
+  // so each copy contributes 1/size of its square sum. Likewise for a parameter tied across
+  // pipeline stages. The world sum covers every pipeline stage.
+  const int dp = context_ ? context_->dp().size() : 1;
+  const int tp = context_ ? context_->tp().size() : 1;
+  // The model's records, found for the optimizers' tensors in the optimizers' order (the order
+  // of the sum); a tensor the model does not record is a plain, replicated parameter.
+  std::unordered_map<const c10::TensorImpl*, const ParameterRecord*> records;
+  for (const auto& p : recorded_parameters(model_)) records.emplace(p.tensor.unsafeGetTensorImpl(), p.record);
   double local = 0;
   for (auto* o : optimizers_) {
     for (const auto& group : o->param_groups()) {
       for (const auto& p : group.params()) {
         if (!p.grad().defined()) continue;
+        const auto it = records.find(p.unsafeGetTensorImpl());
+        const ParameterRecord* r = it == records.end() ? nullptr : it->second;
         const double sq = p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
-        local += (is_dp_sharded(p) ? sq : sq / dp) / (tp::is_tp_distinct(p) ? 1 : tp) / pipe::tied_copies(p);
+        local += (r && r->dp_sharded ? sq : sq / dp) / (r && r->tp_distinct ? 1 : tp) / (r ? r->tied_copies : 1);
       }
     }
   }
   auto total = torch::tensor({local}, torch::kFloat64);
-  if (is_initialized()) runtime().world().all_reduce(total);
+  if (context_) context_->world().all_reduce(total);
   return std::sqrt(total.item<double>());
 }
 
@@ -101,7 +105,7 @@ bool OptimManager::step() {
     }
   }
   auto flag = torch::tensor({overflow ? 1 : 0}, torch::kInt32);
-  if (is_initialized()) runtime().world().all_reduce(flag, ReduceOp::kMax);
+  if (context_) context_->world().all_reduce(flag, ReduceOp::kMax);
   const bool apply = scaler_.update(flag.item<int>() != 0);
   if (apply) {
     for (size_t i = 0; i < optimizers_.size(); ++i) {

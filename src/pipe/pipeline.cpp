@@ -2,8 +2,6 @@
 
 #include <ztrain/runtime/init.h>
 
-#include "../runtime/tensor_attributes.h"
-
 #include <algorithm>
 #include <deque>
 #include <functional>
@@ -75,21 +73,11 @@ std::vector<int64_t> partition_explicit(std::vector<int64_t> bounds, int64_t n, 
 
 // ---- Pipeline ----------------------------------------------------------------------------------
 
-namespace {
-Communicator& pipeline_group() { return runtime().pp(); }
-
-detail::TensorAttributes<int>& tied_registry() {
-  static detail::TensorAttributes<int> r;
-  return r;
-}
-}  // namespace
-
-int tied_copies(const torch::Tensor& t) { return tied_registry().find(t).value_or(1); }
-
 Pipeline::Pipeline(std::vector<std::shared_ptr<StageImpl>> chunks, PipelineOptions options)
     : chunks_(std::move(chunks)),
       options_(options),
-      pp_(pipeline_group()),
+      context_(context_or_default(options_.context)),
+      pp_(context_->pp()),
       stages_(pp_.size()),
       stage_(pp_.rank()),
       boundary_(pp_) {
@@ -149,9 +137,23 @@ void Pipeline::tie(const std::string& name, std::vector<torch::Tensor> local) {
     group->broadcast(value, 0);
     for (auto& t : local) t.copy_(value.view_as(t));
     const int copies = static_cast<int>(group->all_reduce_scalar(static_cast<int64_t>(local.size())));
-    for (const auto& t : local) tied_registry().put(t, copies);
+    for (const auto& t : local) record_of_chunk_parameter(t, name).tied_copies = copies;
   }
   ties_.push_back({name, std::move(local), std::move(group)});
+}
+
+ParameterRecord& Pipeline::record_of_chunk_parameter(const torch::Tensor& t, const std::string& tie) {
+  for (const auto& chunk : chunks_) {
+    for (const auto& module : chunk->modules()) {
+      auto* owner = dynamic_cast<ParameterRecords*>(module.get());
+      if (!owner) continue;
+      for (const auto& p : module->named_parameters(/*recurse=*/false)) {
+        if (p.value().is_same(t)) return owner->record(p.key());
+      }
+    }
+  }
+  throw Error(c10::str("Pipeline::tie('", tie, "'): a tied tensor is not a parameter of this rank's chunks that its "
+                       "module keeps a record of; tie the parameters of Blocks or DistributedParameters (their shards)"));
 }
 
 void Pipeline::reduce_tied_gradients() {

@@ -1,6 +1,6 @@
 #include <ztrain/runtime/init.h>
 
-#include <ztrain/comm/mpi/communicator.h>
+#include <ztrain/comm/backend.h>
 #include <ztrain/runtime/rng.h>
 
 #include "huge_pages.h"
@@ -18,23 +18,14 @@
 namespace ztrain {
 namespace {
 
-// Finalises MPI at process exit when ztrain initialised it, after the runtime is gone (statics
-// are destroyed in reverse order). Skipped after a communication failure: MPI_Finalize would
-// block on the dead peer.
-struct MpiGuard {
-  bool owns = false;
-  ~MpiGuard() { finalize(); }
-  void finalize() {
-    int initialized = 0, finalized = 0;
-    MPI_Initialized(&initialized);
-    MPI_Finalized(&finalized);
-    if (owns && initialized && !finalized && !detail::mpi_failure_seen()) MPI_Finalize();
-    owns = false;
-  }
+// Shuts the communicator backends down at process exit (MPI_Finalize when ztrain started MPI),
+// after the runtime is gone: statics of one file are destroyed in reverse order of definition.
+struct BackendGuard {
+  ~BackendGuard() { shutdown_communicator_backends(); }
 };
 
 std::mutex g_mutex;
-MpiGuard g_mpi;
+BackendGuard g_backends;
 std::unique_ptr<Runtime> g_runtime;  // the one runtime; see init_distributed
 
 std::optional<std::string> env(const char* name) {
@@ -99,79 +90,33 @@ int resolve_threads(const InitOptions& o, int local_size) {
   return std::max(1, usable_cores() / local_size);
 }
 
-int world_size_of_mpi() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
 }  // namespace
 
 Runtime::Runtime(const InitOptions& options)
-    : topology_(world_size_of_mpi(), options.tp_size, options.pp_size),
-      seed_(options.seed),
-      timeout_(resolve_timeout(options)),
-      debug_(resolve_debug(options)),
-      huge_pages_(resolve_huge_pages(options)),
-      host_shared_buffers_(resolve_host_shared_buffers(options)) {
+    : timeout_(resolve_timeout(options)), debug_(resolve_debug(options)), huge_pages_(resolve_huge_pages(options)) {
   if (huge_pages_) detail::install_huge_page_allocator();
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-
-  MPI_Comm local = MPI_COMM_NULL;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local);
-  MPI_Comm_size(local, &local_size_);
-  MPI_Comm_rank(local, &local_rank_);
-  MPI_Comm_free(&local);
+  auto world = make_world_communicator(options.backend, {.name = "world", .timeout = timeout_, .debug = debug_});
+  const auto host = host_layout(*world);
+  local_size_ = host.local_size;
+  local_rank_ = host.local_rank;
   threads_ = resolve_threads(options, local_size_);
+  context_ = ParallelContext::create(std::move(world), {.tp_size = options.tp_size,
+                                                        .pp_size = options.pp_size,
+                                                        .seed = options.seed,
+                                                        .host_shared_buffers = resolve_host_shared_buffers(options)});
   at::set_num_threads(threads_);
-
-  world_ = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD,
-                                             MpiCommunicatorOptions{"world", timeout_, debug_});
-  const Coord c = coord();
-  const Topology& t = topology_;
-  // Each split's color numbers the group; its key orders members by their coordinate.
-  tp_ = world_->split(c.pp * t.dp_size() + c.dp, c.tp, "tp");
-  dp_ = world_->split(c.pp * t.tp_size() + c.tp, c.dp, "dp");
-  pp_ = world_->split(c.dp * t.tp_size() + c.tp, c.pp, "pp");
-  stage_ = world_->split(c.pp, rank_, "stage");
-  world_->reset_stats();
-
-  torch::manual_seed(rng::data_parallel_seed(seed_, c));
+  context_->world().reset_stats();
+  torch::manual_seed(rng::data_parallel_seed(options.seed, context_->coord()));
 }
 
-Runtime::~Runtime() {
-  world_.reset();
-  tp_.reset();
-  dp_.reset();
-  pp_.reset();
-  stage_.reset();
-}
+Runtime::~Runtime() = default;
 
 Runtime& init_distributed(const InitOptions& options) {
   std::lock_guard<std::mutex> lock(g_mutex);
   ZTRAIN_CHECK(!g_runtime, "ztrain::init_distributed() was already called in this process; call it "
                "once, at the start of main()");
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  ZTRAIN_CHECK(!finalized, "ztrain::init_distributed(): MPI was already finalised in this process and "
-               "cannot be started again");
-  int provided = 0;
-  if (!initialized) {
-    int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-    ZTRAIN_CHECK(code == MPI_SUCCESS, "ztrain::init_distributed(): MPI_Init_thread failed (code ", code, ")");
-    g_mpi.owns = true;
-  } else {
-    MPI_Query_thread(&provided);
-  }
-  if (provided < MPI_THREAD_MULTIPLE) {
-    ZTRAIN_CHECK(false, "ztrain::init_distributed(): the MPI library provides thread level ", provided,
-                 " but ztrain's communication streams need MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
-                 "); use an MPI built with thread support", initialized ? ", or initialise MPI with "
-                 "MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)" : "");
-  }
-  // A rejected configuration throws from here and leaves MPI up, so a corrected call can follow.
+  // A rejected configuration throws from here and leaves the backend up, so a corrected call
+  // can follow.
   g_runtime.reset(new Runtime(options));
   return *g_runtime;
 }
@@ -188,21 +133,28 @@ Runtime& runtime() {
   return *g_runtime;
 }
 
+ParallelContext& default_context() { return runtime().context(); }
+
+std::shared_ptr<ParallelContext> context_or_default(const std::shared_ptr<ParallelContext>& context) {
+  return context ? context : runtime().context_ptr();
+}
+
 void finalize_distributed() {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_runtime.reset();
-  g_mpi.finalize();
+  shutdown_communicator_backends();
 }
 
 int rank() { return runtime().rank(); }
 int world_size() { return runtime().world_size(); }
 void synchronize() { runtime().world().barrier(); }
 
-torch::Tensor sum_loss(const torch::Tensor& loss) {
+torch::Tensor sum_loss(const torch::Tensor& loss, ParallelContext* context) {
   ZTRAIN_CHECK(loss.defined() && loss.numel() == 1, "sum_loss: expected a scalar loss, got ",
                loss.defined() ? c10::str(loss.sizes()) : std::string("an undefined tensor"));
+  auto& dp = (context ? *context : default_context()).dp();
   auto out = loss.detach().to(torch::kFloat64).reshape({1}).contiguous().clone();
-  runtime().dp().all_reduce(out, ReduceOp::kAvg);
+  dp.all_reduce(out, ReduceOp::kAvg);
   return out.reshape({}).to(loss.scalar_type());
 }
 

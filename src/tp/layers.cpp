@@ -13,18 +13,14 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-Communicator* resolve(Communicator* group) {
-  if (group) return group;
-  return is_initialized() ? &runtime().tp() : nullptr;
-}
 int size_of(const Communicator* g) { return g ? g->size() : 1; }
 int rank_of(const Communicator* g) { return g ? g->rank() : 0; }
 
-/// Registers this rank's slice of `full` as parameter `name`, declared split.
-torch::Tensor register_slice(torch::nn::Module& m, const std::string& name, const torch::Tensor& full, Split split,
-                             const Communicator* g) {
+/// Registers this rank's slice of `full` as parameter `name` of `m`, declared split over `g`.
+template <class M>
+torch::Tensor register_slice(M& m, const std::string& name, const torch::Tensor& full, Split split, Communicator* g) {
   auto p = m.register_parameter(name, slice(full, split, rank_of(g), size_of(g)));
-  set_split(p, split);
+  m.declare_split(name, p, split, g);
   return p;
 }
 
@@ -52,10 +48,15 @@ void check_features(const char* layer, int64_t in, int64_t out) {
 
 }  // namespace
 
+Communicator* resolve_group(Communicator* group) {
+  if (group) return group;
+  return is_initialized() ? &default_context().tp() : nullptr;
+}
+
 // ---- ColumnParallelLinear ----------------------------------------------------------------------
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options, Communicator* group)
-    : options_(options), group_(resolve(group)) {
+    : options_(options), group_(resolve_group(group)) {
   const auto& o = options_;
   check_features("ColumnParallelLinear", o.in_features, o.out_features);
   const int tp = size_of(group_);
@@ -86,7 +87,7 @@ torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
 // ---- RowParallelLinear -------------------------------------------------------------------------
 
 RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options, Communicator* group)
-    : options_(options), group_(resolve(group)) {
+    : options_(options), group_(resolve_group(group)) {
   const auto& o = options_;
   check_features("RowParallelLinear", o.in_features, o.out_features);
   const int tp = size_of(group_);
@@ -110,7 +111,7 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
 // ---- VocabParallelEmbedding --------------------------------------------------------------------
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options, Communicator* group)
-    : options_(options), group_(resolve(group)) {
+    : options_(options), group_(resolve_group(group)) {
   const int tp = size_of(group_);
   ZTRAIN_CHECK(options_.num_embeddings > 0 && options_.embedding_dim > 0,
                "VocabParallelEmbedding: num_embeddings and embedding_dim must be > 0, got ", options_.num_embeddings,
@@ -127,7 +128,7 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& tokens) {
 }
 
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& tokens, const torch::Tensor& weight, Communicator* group) {
-  group = resolve(group);
+  group = resolve_group(group);
   const int tp = size_of(group);
   ZTRAIN_CHECK(weight.dim() == 2, "vocab_parallel_embedding: the weight must be [vocab / tp, dim], got ", weight.sizes());
   ZTRAIN_CHECK(!at::isFloatingType(tokens.scalar_type()), "vocab_parallel_embedding: tokens must be integers, got ",
@@ -189,7 +190,7 @@ struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
 
 torch::Tensor parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target,
                                      ParallelCrossEntropyOptions options, Communicator* group) {
-  group = resolve(group);
+  group = resolve_group(group);
   ZTRAIN_CHECK(logits.dim() == 2 && target.dim() == 1 && logits.size(0) == target.size(0),
                "parallel_cross_entropy: logits must be [N, vocab / tp] and target [N], got ", logits.sizes(), " and ",
                target.sizes());

@@ -1,17 +1,18 @@
 #include <ztrain/zero/distributed_parameter.h>
 
 #include <ztrain/error.h>
+#include <ztrain/runtime/init.h>
 
 namespace ztrain {
 
 namespace {
-struct HolderImpl : torch::nn::Module {
-  HolderImpl(const std::string& name, torch::Tensor value, bool requires_grad, std::optional<tp::Split> split) {
+struct HolderImpl : torch::nn::Module, ParameterRecords {
+  HolderImpl(const DistributedParameterOptions& o, torch::Tensor value, ParallelContext& context) {
     ZTRAIN_CHECK(value.defined(), "DistributedParameter: the value is undefined");
-    ZTRAIN_CHECK(!name.empty() && name.find('.') == std::string::npos,
-                 "DistributedParameter: the name must be non-empty and contain no '.', got '", name, "'");
-    param = register_parameter(name, value.detach().clone(), requires_grad);
-    if (split) tp::set_split(param, *split);
+    ZTRAIN_CHECK(!o.name.empty() && o.name.find('.') == std::string::npos,
+                 "DistributedParameter: the name must be non-empty and contain no '.', got '", o.name, "'");
+    param = register_parameter(o.name, value.detach().clone(), o.requires_grad);
+    if (o.tp_split) declare_split(o.name, param, *o.tp_split, &context.tp());
   }
   torch::Tensor param;
 };
@@ -24,8 +25,9 @@ std::vector<int64_t> shard_versions(const std::vector<ShardGroup>& groups) {
 }  // namespace
 
 DistributedParameterImpl::DistributedParameterImpl(torch::Tensor value, DistributedParameterOptions options)
-    : ShardedModule(std::make_shared<HolderImpl>(options.name, std::move(value), options.requires_grad, options.tp_split),
-                    {.zero_level = options.zero_level, .use_checkpoint = false, .prefetch_depth = 0},
+    : ShardedModule(std::make_shared<HolderImpl>(options, std::move(value), *context_or_default(options.context)),
+                    {.zero_level = options.zero_level, .use_checkpoint = false, .prefetch_depth = 0,
+                     .context = options.context},
                     "DistributedParameter"),
       name_(options.name) {}
 

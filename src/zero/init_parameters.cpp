@@ -15,16 +15,16 @@ uint64_t name_hash(const std::string& name) {
   return h;
 }
 
-/// Copies the elements of `value` (flattened) that this rank's shard of `ref` holds.
-void write_owned(const NamedParameterRef& ref, const torch::Tensor& value, int rank) {
+/// Copies the elements of `value` (flattened) that this rank holds of `ref`'s sharded module.
+void write_owned(const NamedParameterRef& ref, const torch::Tensor& value) {
   const auto& group = ref.owner->groups()[ref.group];
   const auto flat = value.reshape(-1);
-  if (ref.owner->zero_level() < 2) {
+  if (!ref.owner->policy().shards_parameters) {  // the full buffer is kept: the values live there
     const auto& e = group.layout.entries()[ref.entry];
     group.full.narrow(0, e.offset, e.numel).copy_(flat);
     return;
   }
-  for (const auto& piece : group.layout.pieces(rank)) {
+  for (const auto& piece : group.layout.pieces(ref.owner->context().dp().rank())) {
     if (piece.entry != ref.entry) continue;
     group.shard.narrow(0, piece.shard_offset, piece.end - piece.begin).copy_(flat.narrow(0, piece.begin, piece.end - piece.begin));
   }
@@ -43,8 +43,8 @@ void gpt2_init(const std::string& name, torch::Tensor& value, at::Generator& gen
 
 void init_parameters(torch::nn::Module& module, const InitParametersOptions& options) {
   ZTRAIN_CHECK(options.init, "init_parameters: the init function is empty");
-  const uint64_t seed = options.seed.value_or(is_initialized() ? runtime().seed() : 0);
-  const int rank = is_initialized() ? runtime().dp().rank() : 0;
+  const auto* context = context_of(module);
+  const uint64_t seed = options.seed.value_or(context ? context->seed() : 0);
   torch::NoGradGuard no_grad;
   for (const auto& ref : named_parameter_refs(module)) {
     at::Generator gen = at::detail::createCPUGenerator(rng::derive(rng::shared_seed(seed), {name_hash(ref.name)}));
@@ -53,10 +53,10 @@ void init_parameters(torch::nn::Module& module, const InitParametersOptions& opt
     options.init(ref.name, value, gen);
     ZTRAIN_CHECK(value.sizes() == at::IntArrayRef(shape), "init_parameters: the init function changed the shape of '",
                  ref.name, "' to ", value.sizes());
-    if (const auto split = ref.tp_split()) value = tp::slice(value, *split, tp::group_rank(), tp::group_size());
+    if (const auto split = ref.tp_split()) value = slice(value, *split, ref.tp_group->rank(), ref.tp_group->size());
     value = value.to(ref.dtype);
     if (ref.owner) {
-      write_owned(ref, value, rank);
+      write_owned(ref, value);
     } else {
       ref.tensor.copy_(value);
     }

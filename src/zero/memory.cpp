@@ -1,6 +1,6 @@
 #include <ztrain/zero/memory.h>
 
-#include <ztrain/optim/adam.h>
+#include <ztrain/optim/state_view.h>
 #include <ztrain/zero/sharded_module.h>
 
 #include <sys/resource.h>
@@ -28,36 +28,10 @@ void count(torch::nn::Module& module, MemoryStats& m) {
 }
 }  // namespace
 
-int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
-  int64_t bytes = 0;
-  if (const auto* ours = dynamic_cast<const optim::AdamW*>(&optimizer)) {  // its state lives outside state()
-    for (const auto& group : ours->param_groups()) {
-      for (const auto& p : group.params()) {
-        if (const auto* s = ours->state_of(p)) bytes += bytes_of(s->exp_avg) + bytes_of(s->exp_avg_sq) + bytes_of(s->master);
-      }
-    }
-  }
-  for (const auto& [key, state] : optimizer.state()) {
-    const auto* s = state.get();
-    if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
-      bytes += bytes_of(a->exp_avg()) + bytes_of(a->exp_avg_sq()) + bytes_of(a->max_exp_avg_sq());
-    } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
-      bytes += bytes_of(w->exp_avg()) + bytes_of(w->exp_avg_sq()) + bytes_of(w->max_exp_avg_sq());
-    } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
-      bytes += bytes_of(g->momentum_buffer());
-    } else if (auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
-      bytes += bytes_of(r->square_avg()) + bytes_of(r->momentum_buffer()) + bytes_of(r->grad_avg());
-    } else if (auto* d = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
-      bytes += bytes_of(d->sum());
-    }
-  }
-  return bytes;
-}
-
-MemoryStats memory_stats(torch::nn::Module& model, const torch::optim::Optimizer* optimizer) {
+MemoryStats memory_stats(torch::nn::Module& model, torch::optim::Optimizer* optimizer) {
   MemoryStats m;
   count(model, m);
-  if (optimizer) m.optimizer_bytes = optimizer_state_bytes(*optimizer);
+  if (optimizer) m.optimizer_bytes = optim::state_bytes(*optimizer);
   std::ifstream statm("/proc/self/statm");
   int64_t size = 0, resident = 0;
   if (statm >> size >> resident) m.rss_bytes = resident * sysconf(_SC_PAGESIZE);

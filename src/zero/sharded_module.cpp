@@ -1,10 +1,10 @@
 #include <ztrain/zero/sharded_module.h>
 
+#include "flat_buffer.h"
+
 #include <ztrain/comm/comm_stream.h>
-#include <ztrain/comm/host_shared.h>
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
-#include <ztrain/runtime/pending_updates.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/engine.h>
@@ -26,9 +26,11 @@
 // the engine reaches the node, it (re)builds the inner graph and runs a nested backward with
 // the wrapped parameters' .grad preset to views of one zeroed flat gradient buffer per group,
 // so the engine accumulates straight into the buffer. The buffer is then reduced on the
-// reduction stream (all-reduce at level 0, reduce-scatter otherwise, both a mean over dp) and
-// a callback queued on the engine adds the results to the shards' .grad before backward()
-// returns; at most kMaxPendingReductions buffers are in flight.
+// context's reduction stream (all-reduce or reduce-scatter as the level's policy says, a mean
+// over dp), which adds the result to the shard's .grad; a callback queued on the engine waits
+// for the stream before backward() returns, and at most kMaxPendingReductions buffers are in
+// flight. The streams belong to the module's ParallelContext, shared by every sharded module on
+// it, so gathers and reductions of consecutive blocks queue in order.
 //
 // Levels 2 and 3 release the full buffers by detaching their StorageImpl from its memory and
 // later attaching fresh memory to the same StorageImpl: the parameters and every tensor the
@@ -40,27 +42,6 @@ namespace detail {
 
 namespace {
 constexpr size_t kMaxPendingReductions = 2;
-
-void free_storage(const torch::Tensor& t) {
-  auto* impl = t.storage().unsafeGetStorageImpl();
-  impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
-  impl->set_nbytes(0);
-}
-
-/// A flat buffer for parameters or gradients: host-shared unless the runtime says otherwise, so
-/// that collectives on it read the peers' buffers in place.
-torch::Tensor flat_buffer(int64_t numel, c10::ScalarType dtype) {
-  const auto options = torch::TensorOptions().dtype(dtype);
-  return runtime().host_shared_buffers() ? host_shared_empty({numel}, options) : torch::empty({numel}, options);
-}
-
-void allocate_storage(const torch::Tensor& t) {
-  auto* impl = t.storage().unsafeGetStorageImpl();
-  const size_t nbytes = t.numel() * t.element_size();
-  if (impl->nbytes() == nbytes && (nbytes == 0 || impl->data() != nullptr)) return;
-  impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
-  impl->set_nbytes(nbytes);
-}
 
 /// A tensor over `base`'s storage at `offset` with `shape`, contiguous, without view tracking.
 torch::Tensor alias(const torch::Tensor& base, int64_t offset, at::IntArrayRef shape) {
@@ -74,84 +55,6 @@ std::string describe(const std::string& name, c10::ScalarType dtype, at::IntArra
   return c10::str(name, " ", dtype, " ", shape, rg ? "" : " frozen");
 }
 }  // namespace
-
-/// The streams and pending gradient reductions shared by all sharded modules of a process.
-class ZeroContext : public std::enable_shared_from_this<ZeroContext> {
- public:
-  explicit ZeroContext(Communicator& dp) : dp_(dp), gather_(dp, "zero.gather"), reduce_(dp, "zero.reduce") {}
-
-  static std::shared_ptr<ZeroContext> get(bool create = true) {
-    static std::mutex mutex;
-    static std::weak_ptr<ZeroContext> shared;
-    std::lock_guard<std::mutex> lock(mutex);
-    if (auto existing = shared.lock()) return existing;
-    if (!create) return nullptr;
-    auto created = std::make_shared<ZeroContext>(runtime().dp());
-    shared = created;
-    return created;
-  }
-
-  /// The context if a sharded module is alive, else null (creating one is collective).
-  static std::shared_ptr<ZeroContext> existing() { return get(false); }
-
-  Communicator& dp() { return dp_; }
-  CommStream& gather_stream() { return gather_; }
-
-  void reduce(const torch::Tensor& target, torch::Tensor grad, int level) {
-    Pending p{.target = target};
-    if (level == 0) {
-      p.work = reduce_.all_reduce(grad, ReduceOp::kAvg);
-      p.result = grad;
-    } else {
-      p.result = torch::empty({grad.numel() / dp_.size()}, grad.options());
-      p.work = reduce_.reduce_scatter(grad, p.result, ReduceOp::kAvg);
-    }
-    pending_.push_back(std::move(p));
-    while (!pending_.empty() && (pending_.size() > kMaxPendingReductions || pending_.front().work.is_completed())) {
-      finish_front();
-    }
-    torch::autograd::Engine::get_default_engine().queue_callback(
-        [self = shared_from_this()] { self->finish_all(); });
-  }
-
-  void finish_all() {
-    while (!pending_.empty()) finish_front();
-  }
-
-  void add_storage(const void* s) { storages_.insert(s); }
-  void remove_storage(const void* s) { storages_.erase(s); }
-  bool owns_storage(const void* s) const { return storages_.count(s) != 0; }
-  void add_dp_shard(const void* t) { dp_shards_.insert(t); }
-  void remove_dp_shard(const void* t) { dp_shards_.erase(t); }
-  bool is_dp_shard(const void* t) const { return dp_shards_.count(t) != 0; }
-
- private:
-  struct Pending {
-    torch::Tensor target;
-    torch::Tensor result;
-    Work work;
-  };
-
-  void finish_front() {
-    Pending p = std::move(pending_.front());
-    pending_.pop_front();
-    p.work.wait();
-    torch::NoGradGuard no_grad;
-    auto& grad = p.target.mutable_grad();
-    if (grad.defined()) {
-      grad.add_(p.result);
-    } else {
-      grad = p.result;
-    }
-  }
-
-  Communicator& dp_;
-  CommStream gather_;
-  CommStream reduce_;
-  std::deque<Pending> pending_;
-  std::unordered_set<const void*> storages_;  // full buffers of live sharded modules
-  std::unordered_set<const void*> dp_shards_;  // shards of levels 1-3 (different on every dp rank)
-};
 
 /// One forward call awaiting its backward.
 struct ShardedCall {
@@ -230,13 +133,11 @@ torch::Tensor generator_state() {
 ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind)
     : wrapped_(std::move(wrapped)), options_(options), kind_(std::move(kind)) {
   ZTRAIN_CHECK(wrapped_ != nullptr, kind_, ": the module to wrap is null");
-  ZTRAIN_CHECK(options_.zero_level >= 0 && options_.zero_level <= 3, kind_, ": zero_level must be 0..3, got ",
-               options_.zero_level);
+  policy_ = &level_policy(options_.zero_level, kind_ + ": zero_level");
   ZTRAIN_CHECK(options_.prefetch_depth >= 0, kind_, ": prefetch_depth must be >= 0, got ", options_.prefetch_depth);
-  context_ = detail::ZeroContext::get();
+  context_ = context_or_default(options_.context);
   auto& dp = context_->dp();
 
-  const auto named = wrapped_->named_parameters(/*recurse=*/true);
   std::unordered_set<const void*> seen;
   std::ostringstream signature;
   struct Key {
@@ -244,24 +145,26 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     bool requires_grad;
     bool tp_distinct;  // tensor-parallel slices, kept apart from replicated parameters
   };
-  const bool tensor_parallel = tp::group_size() > 1;
   std::vector<Key> keys;
   std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> members;
   std::vector<std::vector<torch::Tensor>> member_tensors;
+  std::vector<std::vector<const ParameterRecord*>> member_records;
   std::vector<std::pair<size_t, size_t>> order;
-  for (const auto& item : named) {
-    const auto& p = item.value();
-    ZTRAIN_CHECK(p.defined(), kind_, ": parameter '", item.key(), "' is undefined");
-    ZTRAIN_CHECK(p.device().is_cpu(), kind_, ": parameter '", item.key(), "' is on ", p.device(),
+  for (const auto& item : recorded_parameters(*wrapped_)) {
+    const auto& p = item.tensor;
+    ZTRAIN_CHECK(p.defined(), kind_, ": parameter '", item.name, "' is undefined");
+    ZTRAIN_CHECK(p.device().is_cpu(), kind_, ": parameter '", item.name, "' is on ", p.device(),
                  "; sharded modules hold CPU tensors in this build");
-    ZTRAIN_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, kind_, ": parameter '", item.key(),
+    ZTRAIN_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, kind_, ": parameter '", item.name,
                  "' is registered twice inside the wrapped module; tie parameters across blocks "
                  "with a DistributedParameter instead");
-    ZTRAIN_CHECK(!context_->owns_storage(p.storage().unsafeGetStorageImpl()), kind_, ": parameter '", item.key(),
+    ZTRAIN_CHECK(!detail::is_flat_buffer(p), kind_, ": parameter '", item.name,
                  "' already belongs to another Block or DistributedParameter; a module can be wrapped "
                  "only once (build a new module for each block)");
-    signature << detail::describe(item.key(), p.scalar_type(), p.sizes(), p.requires_grad()) << "\n";
-    const Key key{p.scalar_type(), p.requires_grad(), tensor_parallel && tp::split_of(p).has_value()};
+    signature << detail::describe(item.name, p.scalar_type(), p.sizes(), p.requires_grad()) << "\n";
+    const auto* record = item.record;
+    const bool split = record && record->tp_split && record->tp_group && record->tp_group->size() > 1;
+    const Key key{p.scalar_type(), p.requires_grad(), split};
     size_t g = 0;
     while (g < keys.size() && !(keys[g].dtype == key.dtype && keys[g].requires_grad == key.requires_grad &&
                                 keys[g].tp_distinct == key.tp_distinct)) {
@@ -271,10 +174,12 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
       keys.push_back(key);
       members.emplace_back();
       member_tensors.emplace_back();
+      member_records.emplace_back();
     }
     order.emplace_back(g, members[g].size());
-    members[g].emplace_back(item.key(), p.sizes().vec());
+    members[g].emplace_back(item.name, p.sizes().vec());
     member_tensors[g].push_back(p);
+    member_records[g].push_back(record);
   }
 
   // Every rank must wrap the same parameters, or the collectives below would mismatch.
@@ -286,12 +191,13 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
   }
 
   torch::NoGradGuard no_grad;
+  const bool shared = context_->host_shared_buffers();
   for (size_t g = 0; g < keys.size(); ++g) {
     ShardGroup group{.layout = FlatParamLayout(members[g], keys[g].dtype, dp.size()),
                      .requires_grad = keys[g].requires_grad,
                      .tp_distinct = keys[g].tp_distinct};
     const auto& layout = group.layout;
-    group.full = detail::flat_buffer(layout.total_numel(), keys[g].dtype).zero_();
+    group.full = detail::flat_buffer(layout.total_numel(), keys[g].dtype, shared).zero_();
     for (size_t e = 0; e < layout.entries().size(); ++e) {
       const auto& entry = layout.entries()[e];
       group.full.narrow(0, entry.offset, entry.numel).copy_(member_tensors[g][e].detach().reshape(-1));
@@ -299,29 +205,40 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     dp.broadcast(group.full, 0);
     for (size_t e = 0; e < layout.entries().size(); ++e) {
       const auto& entry = layout.entries()[e];
+      const auto* record = member_records[g][e];
+      group.splits.push_back(record ? record->tp_split : std::nullopt);
+      if (group.tp_distinct) {
+        ZTRAIN_CHECK(!group.tp_group || group.tp_group == record->tp_group, kind_, ": parameter '", entry.name,
+                     "' is split over another tensor-parallel group than the module's other split parameters");
+        group.tp_group = record->tp_group;
+      }
       auto& p = member_tensors[g][e];
-      group.splits.push_back(tp::split_of(p));
       p.set_data(detail::alias(group.full, entry.offset, entry.shape));
       group.params.push_back(p);
     }
     const auto [begin, end] = layout.shard_range(dp.rank());
-    if (options_.zero_level == 0) {
+    if (!policy_->shards_optimizer_state) {
       group.shard = detail::alias(group.full, 0, {layout.total_numel()});
-    } else if (options_.zero_level == 1) {
+    } else if (!policy_->shards_parameters) {
       group.shard = detail::alias(group.full, begin, {end - begin});
     } else {
-      group.shard = detail::flat_buffer(end - begin, keys[g].dtype).copy_(group.full.narrow(0, begin, end - begin));
+      group.shard = detail::flat_buffer(end - begin, keys[g].dtype, shared).copy_(group.full.narrow(0, begin, end - begin));
       detail::free_storage(group.full);
     }
-    context_->add_storage(group.full.storage().unsafeGetStorageImpl());
-    if (options_.zero_level >= 1) context_->add_dp_shard(group.shard.unsafeGetTensorImpl());
-    register_parameter(c10::str("zero_shard_", g), group.shard, group.requires_grad);
-    if (group.tp_distinct) tp::mark_tp_distinct(group.shard);
+    const auto name = c10::str("zero_shard_", g);
+    register_parameter(name, group.shard, group.requires_grad);
+    auto& record = this->record(name);
+    record.context = context_.get();
+    record.dp_sharded = policy_->shards_optimizer_state;
+    record.tp_distinct = group.tp_distinct;
+    record.tp_group = group.tp_group;
+    record.update = std::make_shared<UpdateFence>();
+    fences_.push_back(record.update);
     gathered_versions_.push_back(group.shard._version());
     groups_.push_back(std::move(group));
   }
   order_ = std::move(order);
-  gathered_ = options_.zero_level < 2;
+  gathered_ = !policy_->shards_parameters;
 }
 
 ShardedModule::~ShardedModule() {
@@ -329,10 +246,6 @@ ShardedModule::~ShardedModule() {
     for (auto& w : gathering_) w.wait();
   } catch (...) {
     // Never throw from a destructor; the failure was or will be reported by its collective.
-  }
-  for (auto& g : groups_) {
-    context_->remove_storage(g.full.storage().unsafeGetStorageImpl());
-    context_->remove_dp_shard(g.shard.unsafeGetTensorImpl());
   }
 }
 
@@ -349,7 +262,7 @@ void ShardedModule::set_prefetch_neighbours(std::vector<ShardedModule*> forward,
 // ---- gathering ---------------------------------------------------------------------------------
 
 bool ShardedModule::is_gathered() const {
-  if (options_.zero_level == 0) return true;
+  if (!policy_->gathers()) return true;
   if (!gathered_ || stale_) return false;
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (groups_[g].shard._version() != gathered_versions_[g]) return false;
@@ -363,12 +276,12 @@ void ShardedModule::start_gather() {
   const int rank = context_->dp().rank();
   for (size_t g = 0; g < groups_.size(); ++g) {
     auto& group = groups_[g];
-    if (update_pending(group.shard)) {
+    if (fence(g).pending()) {
       // An asynchronous optimizer is still writing the shard: wait on the gather stream, so
       // the forward thread goes on until it needs these parameters.
-      stream.submit([shard = group.shard](Communicator&) { wait_for_update(shard); }, "wait for the optimizer");
+      stream.submit([fence = fences_[g]](Communicator&) { fence->wait(); }, "wait for the optimizer");
     }
-    if (options_.zero_level == 1) {
+    if (!policy_->shards_parameters) {
       const auto [begin, end] = group.layout.shard_range(rank);
       gathering_.push_back(stream.all_gather(group.full.narrow(0, begin, end - begin), group.full));
     } else {
@@ -401,7 +314,7 @@ void ShardedModule::gather() {
 }
 
 void ShardedModule::release() {
-  if (options_.zero_level < 2) return;
+  if (!policy_->shards_parameters) return;
   if (!gathering_.empty()) finish_gather();
   for (auto& g : groups_) detail::free_storage(g.full);
   gathered_ = false;
@@ -409,9 +322,7 @@ void ShardedModule::release() {
 
 void ShardedModule::before(const std::vector<ShardedModule*>& neighbours) {
   const bool need = !is_gathered() || !gathering_.empty();
-  if (!need) {
-    for (const auto& g : groups_) wait_for_update(g.shard);  // levels 0 and 1 compute from it
-  }
+  if (!need) wait_for_updates();  // a kept full buffer is computed from directly
   if (need && gathering_.empty()) start_gather();
   for (auto* n : neighbours) n->prefetch();
   if (need) finish_gather();
@@ -451,7 +362,7 @@ std::vector<torch::Tensor> ShardedModule::run(const Fn& fn, const std::vector<to
   before(forward_neighbours_);
   if (!record) {
     auto outputs = fn(inputs);
-    if (options_.zero_level >= 2) {
+    if (policy_->shards_parameters) {
       outputs = own_outputs(std::move(outputs));
       release();
     }
@@ -484,7 +395,7 @@ std::vector<torch::Tensor> ShardedModule::run(const Fn& fn, const std::vector<to
     }
     for (const auto& t : call->inner_outputs) outputs.push_back(t.defined() ? t.detach() : t);
   }
-  if (options_.zero_level == 3) {
+  if (policy_->regathers_for_backward) {
     outputs = own_outputs(std::move(outputs));
     release();
   }
@@ -535,7 +446,8 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   std::vector<torch::Tensor> targets, flat_grads;
   for (auto& g : groups_) {
     if (!g.requires_grad) continue;
-    flat_grads.push_back(detail::flat_buffer(g.layout.total_numel(), g.full.scalar_type()).zero_());
+    flat_grads.push_back(
+        detail::flat_buffer(g.layout.total_numel(), g.full.scalar_type(), context_->host_shared_buffers()).zero_());
     for (size_t e = 0; e < g.params.size(); ++e) {
       const auto& entry = g.layout.entries()[e];
       g.params[e].mutable_grad() = flat_grads.back().narrow(0, entry.offset, entry.numel).view(entry.shape);
@@ -551,8 +463,8 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   }
 
   size_t next = 0;
-  for (auto& g : groups_) {
-    if (g.requires_grad) context_->reduce(g.shard, flat_grads[next++], options_.zero_level);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].requires_grad) reduce_gradient(g, flat_grads[next++]);
   }
   // An optimizer may now update the shards without a trace in their version counters
   // (torch::optim writes through .data()), so level 1 refreshes the full buffer next time.
@@ -564,16 +476,45 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   return input_grads;
 }
 
+void ShardedModule::reduce_gradient(size_t g, torch::Tensor flat_grad) {
+  auto& stream = context_->reduce_stream();
+  stream.throttle(detail::kMaxPendingReductions - 1);  // a flat gradient per reduction in flight
+  const bool all_reduce = policy_->gradient == GradientReduction::kAllReduce;
+  auto shard = groups_[g].shard;
+  stream.submit(
+      [shard, flat_grad, all_reduce](Communicator& dp) mutable {
+        torch::Tensor result = flat_grad;
+        if (all_reduce) {
+          dp.all_reduce(flat_grad, ReduceOp::kAvg);
+        } else {
+          result = torch::empty({flat_grad.numel() / dp.size()}, flat_grad.options());
+          dp.reduce_scatter(flat_grad, result, ReduceOp::kAvg);
+        }
+        flat_grad = torch::Tensor();  // the buffer goes as soon as it is reduced
+        torch::NoGradGuard no_grad;
+        auto& grad = shard.mutable_grad();
+        if (grad.defined()) {
+          grad.add_(result);
+        } else {
+          grad = result;
+        }
+      },
+      all_reduce ? "gradient all_reduce" : "gradient reduce_scatter");
+  // Backward returns only once every reduction has landed in its shard's .grad.
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [context = context_] { context->reduce_stream().synchronize(); });
+}
+
 // ---- accounting and names ------------------------------------------------------------------
 
 int64_t ShardedModule::parameter_bytes() const {
   int64_t bytes = 0;
-  for (const auto& g : groups_) bytes += (options_.zero_level < 2 ? g.full : g.shard).nbytes();
+  for (const auto& g : groups_) bytes += (policy_->shards_parameters ? g.shard : g.full).nbytes();
   return bytes;
 }
 
 int64_t ShardedModule::gathered_bytes() const {
-  if (options_.zero_level < 2) return 0;
+  if (!policy_->shards_parameters) return 0;
   int64_t bytes = 0;
   for (const auto& g : groups_) bytes += g.full.storage().nbytes();
   return bytes;
@@ -594,25 +535,28 @@ void collect(torch::nn::Module& module, const std::string& prefix, std::vector<N
       const auto& group = sharded->groups()[g];
       const auto& entry = group.layout.entries()[e];
       out.push_back({.name = prefix + entry.name, .shape = entry.shape, .dtype = group.layout.dtype(),
-                     .owner = sharded, .group = g, .entry = e, .split = group.splits[e]});
+                     .owner = sharded, .group = g, .entry = e, .split = group.splits[e],
+                     .tp_group = group.splits[e] ? group.tp_group : nullptr});
     }
     return;
   }
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    const auto* record = record_of(module, item.key());
     out.push_back({.name = prefix + item.key(), .shape = item.value().sizes().vec(),
-                   .dtype = item.value().scalar_type(), .tensor = item.value(), .split = tp::split_of(item.value())});
+                   .dtype = item.value().scalar_type(), .tensor = item.value(),
+                   .split = record ? record->tp_split : std::nullopt, .tp_group = record ? record->tp_group : nullptr});
   }
   for (const auto& child : module.named_children()) collect(*child.value(), prefix + child.key() + ".", out);
 }
 }  // namespace
 
-std::optional<tp::Split> NamedParameterRef::tp_split() const {
-  return tp::group_size() > 1 ? split : std::nullopt;
+std::optional<TensorSplit> NamedParameterRef::tp_split() const {
+  return tp_group && tp_group->size() > 1 ? split : std::nullopt;
 }
 
 std::vector<int64_t> NamedParameterRef::full_shape() const {
   const auto s = tp_split();
-  return s ? tp::full_shape(shape, *s, tp::group_size()) : shape;
+  return s ? ztrain::full_shape(shape, *s, tp_group->size()) : shape;
 }
 
 std::vector<NamedParameterRef> named_parameter_refs(torch::nn::Module& module) {
@@ -633,13 +577,13 @@ torch::Tensor local_value(const NamedParameterRef& ref) {
 /// The full tensor of `ref` from the tp group's slices (collective over tp for split ones).
 torch::Tensor unsplit(const NamedParameterRef& ref, torch::Tensor local) {
   const auto split = ref.tp_split();
-  return split ? tp::assemble(local, *split, runtime().tp()) : local;
+  return split ? assemble(local, *split, *ref.tp_group) : local;
 }
 }  // namespace
 
 torch::Tensor full_parameter(const NamedParameterRef& ref) {
-  wait_for_all_updates();
   if (!ref.owner) return unsplit(ref, local_value(ref));
+  ref.owner->wait_for_updates();
   const bool was_gathered = ref.owner->is_gathered();
   ref.owner->gather();
   auto value = local_value(ref);
@@ -648,7 +592,7 @@ torch::Tensor full_parameter(const NamedParameterRef& ref) {
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn::Module& module) {
-  wait_for_all_updates();
+  wait_for_updates(module);
   std::vector<std::pair<std::string, torch::Tensor>> out;
   ShardedModule* current = nullptr;  // the sharded module whose parameters are being copied
   bool release_current = false;       // gathered here, so released here
@@ -665,20 +609,13 @@ std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn
   return out;
 }
 
-bool is_dp_sharded(const torch::Tensor& t) {
-  auto context = detail::ZeroContext::existing();
-  return context && t.defined() && context->is_dp_shard(t.unsafeGetTensorImpl());
+void ShardedModule::wait_for_updates() const {
+  for (const auto& f : fences_) f->wait();
 }
 
-bool is_sharded_module_tensor(const torch::Tensor& t) {
-  auto context = detail::ZeroContext::existing();
-  return context && t.defined() &&
-         (context->is_dp_shard(t.unsafeGetTensorImpl()) ||
-          (t.has_storage() && context->owns_storage(t.storage().unsafeGetStorageImpl())));
-}
-
-void wait_gradient_reductions() {
-  if (auto context = detail::ZeroContext::existing()) context->finish_all();
+void wait_gradient_reductions(ParallelContext* context) {
+  auto& ctx = context ? *context : default_context();
+  if (ctx.has_zero_streams()) ctx.reduce_stream().synchronize();
 }
 
 }  // namespace ztrain

@@ -22,7 +22,7 @@ TEST(Sha256, KnownVectors) {
 struct Trainer {
   ZeroModel model{ModelConfig{.dropout = 0.1}, BlockOptions{.zero_level = 3}, 2};
   optim::AdamW opt{model->parameters(), optim::AdamOptions(1e-2)};
-  optim::OptimManager mgr{LossScaler::dynamic({.initial_scale = 1024, .growth_interval = 3})};
+  optim::OptimManager mgr{*model, LossScaler::dynamic({.initial_scale = 1024, .growth_interval = 3})};
   int64_t step = 0;
   explicit Trainer(uint64_t seed) {
     init_parameters(*model, {.seed = seed});

@@ -23,6 +23,14 @@ const std::map<std::string, Factory>& optimizers() {
        [](std::vector<torch::Tensor> p, double lr) {
          return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(lr).momentum(0.9));
        }},
+      {"torch_rmsprop",
+       [](std::vector<torch::Tensor> p, double lr) {
+         return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(lr).momentum(0.5).centered(true));
+       }},
+      {"torch_adagrad",
+       [](std::vector<torch::Tensor> p, double lr) {
+         return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(lr));
+       }},
       {"ztrain_adamw",
        [](std::vector<torch::Tensor> p, double lr) {
          return std::make_unique<optim::AdamW>(p, optim::AdamOptions(lr).weight_decay(0.1));
@@ -40,7 +48,8 @@ struct Trainer {
   int64_t step = 0;
 
   Trainer(const std::string& kind, int level, uint64_t seed, double lr, ModelConfig config = {})
-      : model(config, BlockOptions{.zero_level = level, .use_checkpoint = false}, level == 3 ? 2 : level) {
+      : model(config, BlockOptions{.zero_level = level, .use_checkpoint = false}, level == 3 ? 2 : level),
+        mgr(*model) {
     vocab = config.vocab;
     init_parameters(*model, {.seed = seed});
     opt = optimizers().at(kind)(model->parameters(), lr);
@@ -100,7 +109,8 @@ TEST_P(OptimizerState, ResumeIsBitExact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, OptimizerState,
-                         ::testing::Combine(::testing::Values("torch_adamw", "torch_sgd", "ztrain_adamw"),
+                         ::testing::Combine(::testing::Values("torch_adamw", "torch_sgd", "torch_rmsprop",
+                                                              "torch_adagrad", "ztrain_adamw"),
                                             ::testing::Values(0, 1, 3)),
                          [](const auto& info) { return c10::str(std::get<0>(info.param), "_level", std::get<1>(info.param)); });
 

@@ -4,7 +4,8 @@
 
 #include <ztrain/comm/communicator.h>
 #include <ztrain/comm/host_shared.h>
-#include <ztrain/comm/mpi/communicator.h>
+#include <ztrain/comm/backend.h>
+#include <ztrain/comm/mpi/transport.h>
 
 using ztrain::ReduceOp;
 using ztrain::test::error_message;
@@ -124,8 +125,9 @@ TEST(Communicator, AllGatherEveryDtypeAndSize) { check_all_gather(world(), kSize
 TEST(Communicator, ReduceScatterEveryDtypeSizeAndOp) { check_reduce_scatter(world(), kSizes); }
 
 TEST(Communicator, RingsAtSmallAndUnevenSizes) {
-  auto ring = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "ring", .timeout = world().timeout(),
+  auto ring_owner = ztrain::make_world_communicator("mpi", {.name = "ring", .timeout = world().timeout(),
                                                        .ring_threshold_bytes = 1});
+  auto& ring = *ring_owner;
   // The last two cut segments into 256 KiB chunks (65536 floats) whose counts differ between
   // neighbours at 2 and 3 ranks: 65536 and 65537 elements.
   const std::vector<int64_t> sizes = {0, 1, 2, 3, 17, 1023, 2 * 65536 + 1, 3 * 65536 + 1};
@@ -135,8 +137,9 @@ TEST(Communicator, RingsAtSmallAndUnevenSizes) {
 }
 
 TEST(Communicator, MpiCollectivesAtLargeSizes) {
-  auto mpi = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "mpi", .timeout = world().timeout(),
+  auto mpi_owner = ztrain::make_world_communicator("mpi", {.name = "mpi", .timeout = world().timeout(),
                                                       .ring_threshold_bytes = INT64_MAX});
+  auto& mpi = *mpi_owner;
   check_all_reduce(mpi, {1 << 20});
   check_all_gather(mpi, {1 << 20});
   check_reduce_scatter(mpi, {1 << 20});
@@ -145,8 +148,9 @@ TEST(Communicator, MpiCollectivesAtLargeSizes) {
 TEST(Communicator, HostSharedBuffersAreReadInPlace) {
   // From the first byte on, so that every size below takes the host-shared path; 1 << 20
   // elements exercise the streaming kernels.
-  auto c = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "shared", .timeout = world().timeout(),
+  auto c_owner = ztrain::make_world_communicator("mpi", {.name = "shared", .timeout = world().timeout(),
                                                     .ring_threshold_bytes = 1});
+  auto& c = *c_owner;
   const std::vector<int64_t> sizes = {0, 1, 2, 3, 17, 1023, 2 * 65536 + 1, 1 << 20};
   check_all_reduce(c, sizes, host_shared);
   check_all_gather(c, sizes, host_shared);                 // members read the shared inputs
@@ -160,8 +164,9 @@ TEST(Communicator, HostSharedBuffersAreReadInPlace) {
 }
 
 TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
-  auto c = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "mixed", .timeout = world().timeout(),
+  auto c_owner = ztrain::make_world_communicator("mpi", {.name = "mixed", .timeout = world().timeout(),
                                                     .ring_threshold_bytes = 1});
+  auto& c = *c_owner;
   // Rank 0's buffers are private: every rank must take the transport, and agree on it.
   Place place = c.rank() == 0 ? as_is : host_shared;
   check_all_reduce(c, {1023}, place);
@@ -169,8 +174,9 @@ TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
   check_reduce_scatter(c, {1023}, place);
   EXPECT_EQ(c.stats().host_shared_calls, 0);
   // Switched off, shared buffers everywhere take the transport too.
-  auto off = ztrain::MpiCommunicator(MPI_COMM_WORLD, {.name = "off", .timeout = world().timeout(),
+  auto off_owner = ztrain::make_world_communicator("mpi", {.name = "off", .timeout = world().timeout(),
                                                       .ring_threshold_bytes = 1, .host_shared = false});
+  auto& off = *off_owner;
   check_all_reduce(off, {1023}, host_shared);
   EXPECT_EQ(off.stats().host_shared_calls, 0);
 }
@@ -285,6 +291,31 @@ TEST(Communicator, SplitFormsGroupsByColor) {
   int64_t expected = 0;
   for (int r = c.rank() % 2; r < c.size(); r += 2) expected += r;
   EXPECT_EQ(t.item<int64_t>(), expected);
+}
+
+// A transport with nothing but point-to-point transfers (MPI's own collectives switched off):
+// the communicator builds every collective from them — what a new backend gets without
+// writing an algorithm.
+TEST(Communicator, EveryCollectiveFromPointToPointAlone) {
+  ztrain::Communicator c(ztrain::MpiTransport::adopt(MPI_COMM_WORLD, {.native_collectives = false}),
+                         {.name = "p2p", .timeout = world().timeout()});
+  check_all_reduce(c, kSizes);
+  check_all_gather(c, kSizes);
+  check_reduce_scatter(c, kSizes);
+  for (auto dtype : kDtypes) {
+    for (int root = 0; root < c.size(); ++root) {
+      auto t = input_of(c.rank(), dtype, 1023);
+      c.broadcast(t, root);
+      EXPECT_TRUE(tensors_equal(t, input_of(root, dtype, 1023))) << label(dtype, 1023) << " root " << root;
+    }
+  }
+  c.barrier();
+  const auto all = c.all_gather_bytes(std::string(c.rank() + 1, 'x'));
+  for (int r = 0; r < c.size(); ++r) EXPECT_EQ(all[r], std::string(r + 1, 'x'));
+  EXPECT_EQ(c.broadcast_bytes(c.rank() == 0 ? "root" : "", 0), "root");
+  auto pairs = c.split(c.rank() / 2, c.rank(), "p2p.pairs");
+  EXPECT_EQ(pairs->all_reduce_scalar(int64_t{1}), std::min(2, c.size() - c.rank() / 2 * 2));
+  EXPECT_EQ(c.stats().host_shared_calls, 0);
 }
 
 // ---- bad input: every rank makes the same mistake, so nobody is left waiting --------------

@@ -2,7 +2,7 @@
 // instead of hanging or silently mixing data.
 #include "test_util.h"
 
-#include <ztrain/comm/mpi/communicator.h>
+#include <ztrain/comm/backend.h>
 
 using ztrain::test::error_message;
 
@@ -62,8 +62,9 @@ TEST(DebugMode, DifferentRingThresholdsAreCaught) {
   // Ranks configured differently would pick different algorithms for the same call and stall.
   auto& world = ztrain::runtime().world();
   ASSERT_GE(world.size(), 2) << "a mismatch needs two ranks";
-  ztrain::MpiCommunicator comm(MPI_COMM_WORLD, {.name = "thresholds", .timeout = world.timeout(), .debug = true,
-                                                .ring_threshold_bytes = world.rank() == 0 ? 1024 : 4096});
+  auto owner = ztrain::make_world_communicator("mpi", {.name = "thresholds", .timeout = world.timeout(), .debug = true,
+                                                       .ring_threshold_bytes = world.rank() == 0 ? 1024 : 4096});
+  auto& comm = *owner;
   auto msg = error_message([&] { comm.all_reduce(torch::ones({512}), ztrain::ReduceOp::kSum); });
   EXPECT_NE(msg.find("rank 0 called all_reduce(Float, 512 elements, sum) as collective #1 with rings from 1024 bytes"),
             std::string::npos) << msg;

@@ -114,7 +114,7 @@ TEST(Gpt, Bf16WithFp32MastersTracksFp32) {
     Gpt model(c, {.zero_level = 3, .use_checkpoint = false});
     init_parameters(*model, {.seed = 3, .init = models::gpt_init(c)});
     optim::AdamW opt(model->parameters(), optim::AdamOptions(3e-3).weight_decay(0.0));
-    optim::OptimManager mgr;
+    optim::OptimManager mgr(*model);
     mgr.add_optimizer(opt);
     const int dp = runtime().dp().size(), r = runtime().dp().rank();
     for (int step = 0; step < 100; ++step) {

@@ -26,14 +26,24 @@ struct Run {
   std::vector<int64_t> steps;  // AdamParamState::step of every optimizer parameter
 };
 
+/// AdamW over the model's parameters, AdamOffload over the model.
+template <class Optimizer>
+Optimizer optimizer_for(torch::nn::Module& model, const optim::AdamOptions& options) {
+  if constexpr (std::is_same_v<Optimizer, optim::AdamOffload>) {
+    return Optimizer(model, options);
+  } else {
+    return Optimizer(model.parameters(), options);
+  }
+}
+
 template <class Optimizer>
 Run train(int level, c10::ScalarType dtype, int grad_accum) {
   auto c = kConfig;
   c.dtype = dtype;
   Gpt model(c, {.zero_level = level, .use_checkpoint = level % 2 == 1});
   init_parameters(*model, {.seed = 3, .init = models::gpt_init(c)});
-  Optimizer opt(model->parameters(), optim::AdamOptions(1e-2).weight_decay(0.1));
-  optim::OptimManager mgr;
+  Optimizer opt = optimizer_for<Optimizer>(*model, optim::AdamOptions(1e-2).weight_decay(0.1));
+  optim::OptimManager mgr(*model);
   // The schedule changes the lr after each step, while AdamOffload's updates may still run.
   mgr.add_optimizer(opt, std::make_shared<lr_scheduler::Cosine>(
                              LRSchedulerOptions{.peak_lr = 1e-2, .warmup_steps = 3, .total_steps = kSteps}));
@@ -90,7 +100,7 @@ TEST(AdamOffload, PlainParametersInStepShardsBeforeTheirUse) {
   torch::manual_seed(1);
   auto b = std::make_shared<Net>();
   optim::AdamW plain_opt(a->parameters(), optim::AdamOptions(1e-2));
-  optim::AdamOffload offload_opt(b->parameters(), optim::AdamOptions(1e-2));
+  optim::AdamOffload offload_opt(*b, optim::AdamOptions(1e-2));
   auto x = torch::randn({8, 64}, at::detail::createCPUGenerator(7));
   for (int step = 0; step < 3; ++step) {
     a->forward(x).pow(2).mean().backward();

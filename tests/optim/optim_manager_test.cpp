@@ -9,6 +9,13 @@ namespace {
 
 using optim::OptimManager;
 
+/// A module holding loose tensors: the model of a manager over them.
+std::shared_ptr<torch::nn::Module> holding(const std::vector<torch::Tensor>& params) {
+  auto m = std::make_shared<torch::nn::Module>();
+  for (size_t i = 0; i < params.size(); ++i) m->register_parameter(std::to_string(i), params[i]);
+  return m;
+}
+
 TEST(OptimManager, GradNormAndClippingEqualTheSingleProcessOnes) {
   ASSERT_EQ(world_size(), expected_world_size());
   ModelConfig c;
@@ -25,7 +32,7 @@ TEST(OptimManager, GradNormAndClippingEqualTheSingleProcessOnes) {
     torch::manual_seed(2);
     ZeroModel model(c, BlockOptions{.zero_level = level}, level == 3 ? 0 : 2);  // mixes sharded and replicated
     torch::optim::SGD opt(model->parameters(), 0.1);
-    OptimManager mgr(LossScaler::static_scale(1024));
+    OptimManager mgr(*model, LossScaler::static_scale(1024));
     mgr.add_optimizer(opt);
     auto local = tokens.slice(0, r * 4, (r + 1) * 4);
     mgr.backward(lm_loss(model(local), local));
@@ -41,7 +48,8 @@ TEST(OptimManager, OneRankOverflowingSkipsTheStepEverywhere) {
   const int last = world_size() - 1;
   auto w = torch::zeros({5}, torch::requires_grad());
   torch::optim::SGD opt({w}, 1.0);
-  OptimManager mgr(LossScaler::dynamic({.initial_scale = 8, .growth_factor = 2, .backoff_factor = 0.5,
+  auto model = holding({w});
+  OptimManager mgr(*model, LossScaler::dynamic({.initial_scale = 8, .growth_factor = 2, .backoff_factor = 0.5,
                                         .growth_interval = 2, .min_scale = 1, .max_scale = 64}));
   mgr.add_optimizer(opt);
   const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
@@ -69,7 +77,8 @@ TEST(OptimManager, StateRoundTripsAndSchedulesDriveTheLr) {
   auto w = torch::zeros({3}, torch::requires_grad());
   torch::optim::SGD opt({w}, 1.0);
   auto sched = std::make_shared<lr_scheduler::Linear>(LRSchedulerOptions{.peak_lr = 1.0, .warmup_steps = 2, .total_steps = 10});
-  OptimManager mgr(LossScaler::dynamic({.initial_scale = 4, .growth_interval = 3}));
+  auto model = holding({w});
+  OptimManager mgr(*model, LossScaler::dynamic({.initial_scale = 4, .growth_interval = 3}));
   mgr.add_optimizer(opt, sched);
   EXPECT_EQ(opt.param_groups()[0].options().get_lr(), 0.0);  // warmup from 0
   for (int i = 0; i < 5; ++i) {
@@ -82,14 +91,15 @@ TEST(OptimManager, StateRoundTripsAndSchedulesDriveTheLr) {
   auto w2 = torch::zeros({3}, torch::requires_grad());
   torch::optim::SGD opt2({w2}, 0.5);
   auto sched2 = std::make_shared<lr_scheduler::Linear>(LRSchedulerOptions{.peak_lr = 1.0, .warmup_steps = 2, .total_steps = 10});
-  OptimManager other(LossScaler::dynamic({.initial_scale = 4, .growth_interval = 3}));
+  auto other_model = holding({w2});
+  OptimManager other(*other_model, LossScaler::dynamic({.initial_scale = 4, .growth_interval = 3}));
   other.add_optimizer(opt2, sched2);
   other.load_state(state);
   EXPECT_EQ(other.state(), state);
   EXPECT_EQ(other.loss_scale(), mgr.loss_scale());
   EXPECT_DOUBLE_EQ(opt2.param_groups()[0].options().get_lr(), sched->lr_at(5));
 
-  OptimManager wrong;
+  OptimManager wrong(*other_model);
   EXPECT_NE(error_message([&] { wrong.load_state(state); }).find("optimizers"), std::string::npos);
 }
 

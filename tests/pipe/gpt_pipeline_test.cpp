@@ -63,7 +63,7 @@ struct Trajectory : LossTrajectory {
 template <class Model, class Backward>
 Trajectory train(Model& model, Backward&& forward_backward, const std::function<torch::Tensor()>& wte_grad) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
-  optim::OptimManager mgr;
+  optim::OptimManager mgr(*model);
   mgr.add_optimizer(opt);
   Trajectory t;
   for (int step = 0; step < kSteps; ++step) {

@@ -37,7 +37,7 @@ torch::Tensor batch(int step) { return counting_batch(step, kGlobalBatch, kConfi
 /// step, so the norm over split and replicated parameters matters).
 LossTrajectory train(Gpt& model) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));
-  optim::OptimManager mgr;
+  optim::OptimManager mgr(*model);
   mgr.add_optimizer(opt);
   LossTrajectory t;
   for (int step = 0; step < kSteps; ++step) {

@@ -49,8 +49,9 @@ TEST(TensorParallel, ColumnParallelLinearMatchesDense) {
                                         .fused_parts = parts, .layout = layout});
         const Split ws{.dim = layout == tp::WeightLayout::kOutIn ? 0 : 1, .parts = parts};
         const Split bs{.dim = 0, .parts = parts};
-        ASSERT_TRUE(tp::split_of(layer->weight).has_value());
-        EXPECT_EQ(tp::split_of(layer->weight)->dim, ws.dim);
+        ASSERT_TRUE(tp::split_of(*layer, "weight").has_value());
+        EXPECT_EQ(tp::split_of(*layer, "weight")->dim, ws.dim);
+        EXPECT_EQ(tp::split_of(*layer, "bias")->parts, parts);
         auto w = tp::assemble(layer->weight.detach(), ws, group()).requires_grad_();
         auto b = tp::assemble(layer->bias.detach(), bs, group()).requires_grad_();
         auto x_ref = same_randn({3, 5, in}, 10).requires_grad_();
@@ -79,7 +80,8 @@ TEST(TensorParallel, RowParallelLinearMatchesDense) {
       tp::RowParallelLinear layer(
           {.in_features = in, .out_features = out, .input_is_parallel = parallel_input, .layout = layout});
       const Split ws{.dim = layout == tp::WeightLayout::kOutIn ? 1 : 0};
-      EXPECT_FALSE(tp::split_of(layer->bias).has_value());  // replicated
+      EXPECT_FALSE(tp::split_of(*layer, "bias").has_value());  // replicated
+      EXPECT_EQ(tp::split_of(*layer, "weight")->dim, ws.dim);
       auto w = tp::assemble(layer->weight.detach(), ws, group()).requires_grad_();
       auto b = layer->bias.detach().clone().requires_grad_();
       auto x_ref = same_randn({4, in}, 20).requires_grad_();
@@ -125,7 +127,7 @@ TEST(TensorParallel, MlpAndGradientNormMatchDense) {
   auto loss = mlp->proj(torch::gelu(mlp->fc(x))).pow(2).sum();
   EXPECT_NEAR(loss.item<double>(), loss_ref.item<double>(), kTol * loss_ref.item<double>());
   torch::optim::SGD opt(mlp->parameters(), 0.1);
-  optim::OptimManager mgr;
+  optim::OptimManager mgr(*mlp);
   mgr.add_optimizer(opt);
   mgr.backward(loss);
   EXPECT_TRUE(tensors_equal(x.grad(), x_ref.grad(), kTol, kTol));

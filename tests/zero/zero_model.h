@@ -71,7 +71,7 @@ TORCH_MODULE(RefModel);
 /// BlockList. Built from the same generator draws as RefModel.
 struct ZeroModelImpl : torch::nn::Module {
   ZeroModelImpl(const ModelConfig& c, BlockOptions options, int embedding_level)
-      : wte(torch::nn::Embedding(c.vocab, c.dim)->weight.detach(), {.zero_level = embedding_level}),
+      : wte(torch::nn::Embedding(c.vocab, c.dim)->weight.detach(), {.zero_level = embedding_level, .context = options.context}),
         layers(c.layers, [&](int64_t) { return Layer(c.dim, c.dropout); }, options) {
     register_module("wte", wte);
     register_module("layers", layers);

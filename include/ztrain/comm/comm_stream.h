@@ -50,6 +50,9 @@ class CommStream {
 
   /// Waits for everything submitted so far; rethrows the first failure.
   void synchronize();
+  /// Blocks until at most `n` submitted operations are queued or running (bounding the memory
+  /// the queued operations hold). Raises ztrain::CommError after the communicator's timeout.
+  void throttle(size_t n);
 
   const std::string& name() const { return comm_->name(); }
   /// The stream's communicator. Use it only from submitted functions.
@@ -64,8 +67,10 @@ class CommStream {
 
   std::unique_ptr<Communicator> comm_;
   std::mutex mutex_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;       // the worker waits for work
+  std::condition_variable drained_;  // throttle() waits for the worker
   std::deque<Task> queue_;
+  size_t outstanding_ = 0;           // queued or running
   bool stopping_ = false;
   std::exception_ptr failure_;  // first failure, written and read by the worker only
   Work last_;                   // the most recent submission, for synchronize()

@@ -1,21 +1,32 @@
 #pragma once
-/// The communicator interface: collectives and point-to-point transfers over a group of ranks.
+/// The communicator: collectives and point-to-point transfers over a group of ranks.
 ///
 /// Every call that names a group operation (all_reduce, all_gather, reduce_scatter, broadcast,
-/// barrier and the *_bytes / *_object helpers) is collective: every member of the group must
-/// make the same call, in the same order, with matching sizes and dtypes. Tensors must be
-/// contiguous and on the communicator's device; nothing is ever copied silently, and a wrong
+/// barrier, dup, split and the *_bytes / *_object helpers) is collective: every member of the
+/// group must make the same call, in the same order, with matching sizes and dtypes. Tensors must
+/// be contiguous and on the communicator's device; nothing is ever copied silently, and a wrong
 /// size or dtype raises ztrain::Error before any rank blocks. Every wait has a finite deadline
-/// (`timeout()`); when it passes, or the transport fails, the call raises ztrain::CommError and
-/// the communicator refuses further calls (its state is unknown after a partial collective).
+/// (`timeout()`), creating a communicator (dup, split) included; when it passes, or the
+/// transport fails, the call raises ztrain::CommError and the communicator refuses further calls
+/// (its state is unknown after a partial collective).
+///
+/// A communicator holds the algorithms and a transport (comm/transport.h) that moves the bytes:
+/// small collectives use the backend's own where it has them; from `ring_threshold_bytes` on,
+/// all_gather, reduce_scatter and all_reduce (= reduce_scatter + all_gather) run as
+/// bandwidth-optimal rings of point-to-point transfers, and where every member runs on this
+/// host with a host-shared buffer (comm/host_shared.h) they read and write the members' buffers
+/// in place instead. A transport without collectives gets all of them from point-to-point
+/// transfers. Communicators are made by a backend's factory (comm/backend.h) and by dup/split.
 ///
 /// A communicator is not thread-safe: use one per thread. CommStream owns a duplicate for its
-/// worker, so a stream's operations and the caller's never share an MPI communicator.
+/// worker, so a stream's operations and the caller's never share a transport.
 ///
-///   auto& dp = ztrain::runtime().dp();
-///   dp.all_reduce(grad, ztrain::ReduceOp::kAvg);          // every dp rank calls this
+///   auto& dp = ctx.dp();                                   // a ParallelContext's group
+///   dp.all_reduce(grad, ztrain::ReduceOp::kAvg);           // every dp rank calls this
 ///   auto full = dp.all_gather(shard);                      // size() * shard.numel() elements
 
+#include <ztrain/comm/reduce_op.h>
+#include <ztrain/comm/transport.h>
 #include <ztrain/error.h>
 
 #include <torch/types.h>
@@ -23,6 +34,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -31,11 +44,20 @@
 
 namespace ztrain {
 
-/// Reductions. kAvg divides the sum by the group size and needs a floating dtype. For bool,
-/// kSum and kMax are logical or, kMin is logical and.
-enum class ReduceOp { kSum, kAvg, kMax, kMin };
-
-const char* to_string(ReduceOp op);
+struct CommunicatorOptions {
+  /// The group's name in messages ("world", "tp", "dp", "pp", ...).
+  std::string name = "world";
+  /// Deadline of any single wait inside a call.
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  /// Check before every collective that all members agree on it (op, dtype, sizes, root).
+  bool debug = false;
+  /// Messages of at least this many bytes (the full buffer: all_reduce's tensor, all_gather's
+  /// output, reduce_scatter's input) use the ring algorithms or the host-shared path.
+  int64_t ring_threshold_bytes = 256 * 1024;
+  /// From the same size on, when every member runs on this host and its buffer is host-shared,
+  /// all_gather, reduce_scatter and all_reduce read the members' buffers directly.
+  bool host_shared = true;
+};
 
 /// Bytes this rank handed to the transport, by operation, since creation (or reset). Counts
 /// the payload a rank contributes: all_reduce and broadcast count the tensor, all_gather the
@@ -57,54 +79,60 @@ struct CommStats {
 
 class Communicator {
  public:
-  virtual ~Communicator() = default;
+  /// Takes over `transport`, one member's end of a new group. Collective over the group: the
+  /// members find out, within the deadline, whether they share one host.
+  Communicator(std::unique_ptr<Transport> transport, CommunicatorOptions options);
+  ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
   /// This rank's index in the group, and the group size.
-  virtual int rank() const = 0;
-  virtual int size() const = 0;
-  /// The group's name in messages ("world", "tp", "dp", "pp", ...).
-  virtual const std::string& name() const = 0;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return options_.name; }
   /// The world rank of a group member, for messages and topology queries.
-  virtual int world_rank_of(int group_rank) const = 0;
+  int world_rank_of(int group_rank) const;
+  /// The device of the tensors this communicator moves.
+  c10::Device device() const { return transport_->device(); }
+  /// Whether every member runs on this host.
+  bool host_local() const { return host_local_; }
 
-  /// Deadline for any single wait inside a call.
-  virtual std::chrono::milliseconds timeout() const = 0;
-  virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
-  /// When on, every collective first checks that all members agree on the operation, dtype,
-  /// sizes and root, and raises ztrain::Error naming the ranks that disagree.
-  virtual bool debug() const = 0;
-  virtual void set_debug(bool on) = 0;
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
+  void set_timeout(std::chrono::milliseconds timeout);
+  bool debug() const { return options_.debug; }
+  void set_debug(bool on) { options_.debug = on; }
+  const CommunicatorOptions& options() const { return options_; }
 
   /// In place: `tensor` becomes the reduction over the group.
-  virtual void all_reduce(const torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum) = 0;
+  void all_reduce(const torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
   /// `output` (size() * input.numel() elements) receives every rank's `input`, in rank order.
   /// `input` may be this rank's slice of `output` (in-place gather).
-  virtual void all_gather(const torch::Tensor& input, const torch::Tensor& output) = 0;
+  void all_gather(const torch::Tensor& input, const torch::Tensor& output);
   /// `input` (size() * output.numel() elements) is reduced; rank r receives slice r.
-  virtual void reduce_scatter(const torch::Tensor& input, const torch::Tensor& output,
-                              ReduceOp op = ReduceOp::kSum) = 0;
+  void reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op = ReduceOp::kSum);
   /// In place: every rank's `tensor` becomes root's.
-  virtual void broadcast(const torch::Tensor& tensor, int root) = 0;
+  void broadcast(const torch::Tensor& tensor, int root);
   /// Point-to-point. Shapes and dtypes must match on both ends (the receiver supplies the
-  /// buffer); `tag` pairs a send with its receive.
-  virtual void send(const torch::Tensor& tensor, int dst, int tag = 0) = 0;
-  virtual void recv(const torch::Tensor& tensor, int src, int tag = 0) = 0;
-  virtual void barrier() = 0;
+  /// buffer); `tag` in [0, kMaxUserTag] pairs a send with its receive.
+  void send(const torch::Tensor& tensor, int dst, int tag = 0);
+  void recv(const torch::Tensor& tensor, int src, int tag = 0);
+  void barrier();
 
   /// Variable-length byte strings: every rank's bytes, in rank order.
-  virtual std::vector<std::string> all_gather_bytes(std::string_view bytes) = 0;
+  std::vector<std::string> all_gather_bytes(std::string_view bytes);
   /// Root's bytes on every rank (the argument is ignored elsewhere).
-  virtual std::string broadcast_bytes(std::string_view bytes, int root) = 0;
+  std::string broadcast_bytes(std::string_view bytes, int root);
 
   /// A new communicator over the same ranks, with its own message space (collective).
-  virtual std::unique_ptr<Communicator> dup(const std::string& name) = 0;
-  /// Ranks passing the same `color` form a group, ordered by `key` (collective).
-  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+  std::unique_ptr<Communicator> dup(const std::string& name);
+  /// Ranks passing the same `color` (>= 0) form a group, ordered by `key` (collective).
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name);
 
-  virtual CommStats stats() const = 0;
-  virtual void reset_stats() = 0;
+  CommStats stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
+
+  /// The transport underneath (for backend-specific code).
+  Transport& transport() { return *transport_; }
 
   // ---- conveniences built on the primitives ----------------------------------------------
 
@@ -140,8 +168,90 @@ class Communicator {
     return out;
   }
 
- protected:
-  Communicator() = default;
+ private:
+  struct Call;  // what a collective is about to do; exchanged in debug mode
+  void ensure_usable();
+  void begin(const Call& call);
+  void check_tensor(const torch::Tensor& t, const char* call, const char* what) const;
+  void check_point_to_point(const torch::Tensor& tensor, const char* call, const char* role, int peer, int tag);
+  bool large(int64_t bytes) const { return size_ > 1 && bytes >= options_.ring_threshold_bytes; }
+
+  // Waiting with the deadline; a failure makes the communicator unusable (src/comm/communicator.cpp).
+  void wait(TransportRequestPtr request, const char* op, int peer);
+  void wait_all(std::vector<TransportRequestPtr>& requests, const char* op, int peer);
+  void wait_for(std::vector<TransportRequest*> requests, const char* op, int peer);  // null entries: done
+  // Runs `start` (a transport call), turning a TransportFailure into this communicator's failure.
+  template <class F>
+  auto guarded(const char* op, int peer, F&& start) {
+    try {
+      return start();
+    } catch (const TransportFailure& e) {
+      fail(c10::str("ztrain: ", op, " on communicator '", name(), "' failed on world rank ", world_rank_,
+                    peer >= 0 ? c10::str(" (peer rank ", peer, ")") : std::string(), ": ", e.what()),
+           op, peer);
+    }
+  }
+  [[noreturn]] void fail(const std::string& what, const char* op, int peer);
+  std::unique_ptr<Communicator> adopt(std::unique_ptr<PendingTransport> pending, const char* op,
+                                      const std::string& name);
+
+  // Small exchanges of the communicator's own (debug descriptions, host names, buffer names,
+  // agreements): the transport's collective, else a ring; never the host-shared path.
+  void control_all_gather(const torch::Tensor& input, const torch::Tensor& output, const char* call);
+  void control_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
+  // The algorithms, without validation, statistics or the debug check.
+  void run_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
+  void run_all_gather(const torch::Tensor& input, const torch::Tensor& output, bool in_place, const char* call);
+  void run_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op, const char* call);
+  void run_broadcast(const torch::Tensor& tensor, int root, const char* call);
+  void run_barrier(const char* call);
+
+  // Rings and trees of point-to-point transfers (src/comm/ring.cpp).
+  void ring_exchange(const torch::Tensor& out, const torch::Tensor& in, const char* op,
+                     const std::function<void()>& overlap = {});
+  void ring_reduce_scatter(const torch::Tensor& input, const std::vector<int64_t>& bounds,
+                           const torch::Tensor& output, ReduceOp op, const char* call);
+  void ring_all_gather(const torch::Tensor& output, const std::vector<int64_t>& bounds,
+                       const torch::Tensor& own_input, const char* call);
+  void tree_broadcast(const torch::Tensor& tensor, int root, const char* call);
+  void dissemination_barrier(const char* call);
+  // A reusable buffer of at least `numel` elements (received chunks and ring partial sums).
+  torch::Tensor scratch_for(c10::ScalarType dtype, int64_t numel);
+
+  // The same-host paths over host-shared buffers (src/comm/host_shared_collectives.cpp). Each
+  // returns false, having moved nothing, on every member alike where they cannot be taken.
+  struct Members {
+    int buffer = -1;
+    std::vector<char*> at;
+  };
+  Members map_members(const std::vector<torch::Tensor>& buffers, const char* call);
+  void reduce_members(const torch::Tensor& dst, const std::vector<char*>& members, int64_t offset, ReduceOp op,
+                      bool to_all);
+  bool host_shared_all_gather(const torch::Tensor& input, const torch::Tensor& output, bool in_place,
+                              const char* call);
+  bool host_shared_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op,
+                                  const char* call);
+  bool host_shared_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
+
+  std::unique_ptr<Transport> transport_;
+  CommunicatorOptions options_;
+  int rank_ = 0;
+  int size_ = 1;
+  int world_rank_ = 0;
+  bool host_local_ = false;  // every member runs on this host
+  int64_t sequence_ = 0;     // collectives issued, for debug messages
+  std::string failure_;      // non-empty once a call failed: the communicator is unusable
+  CommStats stats_;
+  std::map<c10::ScalarType, torch::Tensor> scratch_;
 };
+
+/// Where the members of a communicator run: how many share this rank's host (and its memory),
+/// and this rank's index among them.
+struct HostLayout {
+  int local_size = 1;
+  int local_rank = 0;
+};
+/// Collective over `comm`.
+HostLayout host_layout(Communicator& comm);
 
 }  // namespace ztrain

@@ -20,6 +20,7 @@
 ///   auto grads = ztrain::host_shared_empty({numel}, torch::kFloat32);
 ///   dp.reduce_scatter(grads, shard, ztrain::ReduceOp::kAvg);  // reads the peers' grads in place
 
+#include <c10/core/Allocator.h>
 #include <torch/types.h>
 
 namespace ztrain {
@@ -30,5 +31,9 @@ torch::Tensor host_shared_empty(at::IntArrayRef sizes, const torch::TensorOption
 
 /// True when `tensor` views memory from host_shared_empty (false for no memory at all).
 bool is_host_shared(const torch::Tensor& tensor);
+
+/// The allocator behind host_shared_empty, for code that allocates storage itself. Lives as long
+/// as the process.
+c10::Allocator* host_shared_allocator();
 
 }  // namespace ztrain

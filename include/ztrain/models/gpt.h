@@ -25,10 +25,11 @@
 ///
 /// The token and position embeddings are DistributedParameters, every transformer block is a
 /// Block in one BlockList, the final LayerNorm a Block of its own; all at the configured ZeRO
-/// level. Construction and every forward are collective over the data-parallel group.
+/// level, over the parallel context of BlockOptions::context (the default context when not
+/// set). Construction and every forward are collective over its data-parallel group.
 ///
-/// When the runtime has a tensor-parallel group of several ranks (init_distributed's tp_size),
-/// the model is split over it Megatron-style (tp/layers.h): attention heads and MLP features
+/// When the context has a tensor-parallel group of several ranks (its tp_size), the model is
+/// split over it Megatron-style (tp/layers.h): attention heads and MLP features
 /// in every block, and the vocabulary of the tied embedding and LM head, whose loss is computed
 /// from split logits. ZeRO then shards each rank's slices over dp. Names, shapes in files and
 /// init_parameters are those of the full model, so checkpoints move between tp sizes. With
@@ -73,10 +74,10 @@ struct GptConfig {
   double flops_per_token(int64_t seq) const;
 };
 
-/// Attention heads split over the tp group: c_attn column-parallel with q, k and v fused,
-/// c_proj row-parallel.
+/// Attention heads split over the tp group `tp` (tp::resolve_group: the default context's when
+/// null): c_attn column-parallel with q, k and v fused, c_proj row-parallel.
 struct GptAttentionImpl : torch::nn::Module {
-  explicit GptAttentionImpl(const GptConfig& c);
+  GptAttentionImpl(const GptConfig& c, Communicator* tp = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
   int64_t n_head;  // on this rank
   int64_t head_dim;
@@ -86,9 +87,9 @@ struct GptAttentionImpl : torch::nn::Module {
 };
 TORCH_MODULE(GptAttention);
 
-/// Hidden features split over the tp group: c_fc column-parallel, c_proj row-parallel.
+/// Hidden features split over the tp group `tp`: c_fc column-parallel, c_proj row-parallel.
 struct GptMlpImpl : torch::nn::Module {
-  explicit GptMlpImpl(const GptConfig& c);
+  GptMlpImpl(const GptConfig& c, Communicator* tp = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
   tp::ColumnParallelLinear c_fc;
   tp::RowParallelLinear c_proj;
@@ -96,9 +97,9 @@ struct GptMlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(GptMlp);
 
-/// One transformer block (plain libtorch; GptImpl wraps it in a ztrain Block).
+/// One transformer block (plain libtorch and tp layers; GptImpl wraps it in a ztrain Block).
 struct GptBlockImpl : torch::nn::Module {
-  explicit GptBlockImpl(const GptConfig& c);
+  GptBlockImpl(const GptConfig& c, Communicator* tp = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::LayerNorm ln_1, ln_2;
   GptAttention attn;
@@ -107,7 +108,7 @@ struct GptBlockImpl : torch::nn::Module {
 TORCH_MODULE(GptBlock);
 
 struct GptTransformerImpl : torch::nn::Module {
-  GptTransformerImpl(const GptConfig& c, const BlockOptions& options);
+  GptTransformerImpl(const GptConfig& c, const BlockOptions& options, Communicator& tp);
   DistributedParameter wte, wpe;
   BlockList<GptBlock> h;
   Block<torch::nn::LayerNorm> ln_f;
@@ -135,7 +136,7 @@ class GptImpl : public torch::nn::Module {
   torch::Tensor local_logits(const torch::Tensor& tokens);
 
   GptConfig config_;
-  Communicator* tp_;  // the runtime's tp group, or null
+  Communicator* tp_;  // the context's tp group when it has several ranks, else null
 };
 
 /// The module holder of GptImpl.

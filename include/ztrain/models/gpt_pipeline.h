@@ -1,8 +1,8 @@
 #pragma once
 /// The GPT of gpt.h cut into pipeline stages (pipe/pipeline.h).
 ///
-/// Its n_layer transformer blocks are cut into p·v contiguous parts (p: the runtime's pipeline
-/// size, v: chunks per rank, 1 unless the schedule is interleaved), uniformly unless explicit
+/// Its n_layer transformer blocks are cut into p·v contiguous parts (p: the pipeline size of
+/// BlockOptions::context, the default context when not set; v: chunks per rank, 1 unless the schedule is interleaved), uniformly unless explicit
 /// cut points are given. Rank s holds the parts of virtual stages s, p+s, …; the first
 /// virtual stage also holds the token and position embeddings, the last the final LayerNorm
 /// and the LM head, whose weight is a copy of the token embedding tied to it
@@ -49,9 +49,10 @@ struct GptPipelineOptions {
   std::vector<int64_t> bounds;
 };
 
-/// The LM head and loss on the last stage: its weight is the tied copy of the token embedding.
-struct GptHeadImpl : torch::nn::Module {
-  explicit GptHeadImpl(const GptConfig& c);
+/// The LM head and loss on the last stage: its weight is the tied copy of the token embedding,
+/// split by vocabulary rows over `tp` (null: one rank).
+struct GptHeadImpl : torch::nn::Module, ParameterRecords {
+  GptHeadImpl(const GptConfig& c, Communicator* tp);
   /// Mean cross-entropy of hidden states x [b, t, d] predicting targets [b, t].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& targets);
   torch::Tensor weight;
@@ -103,6 +104,7 @@ class GptPipelineImpl : public torch::nn::Module {
   std::vector<pipe::TensorList> checked(const std::vector<torch::Tensor>& micro_batches) const;
 
   GptConfig config_;
+  std::shared_ptr<ParallelContext> context_;
   std::vector<GptChunk> chunks_;
   std::unique_ptr<pipe::Pipeline> pipeline_;
 };

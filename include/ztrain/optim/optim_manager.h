@@ -2,26 +2,30 @@
 /// OptimManager: the steps around the optimizers — loss scaling, gradient clipping over every
 /// shard and rank, overflow checks agreed by all ranks, learning-rate schedules.
 ///
-/// Manages any number of torch::optim optimizers (ztrain's or libtorch's), each with an
-/// optional schedule. One training step:
+/// Manages any number of torch::optim optimizers (ztrain's or libtorch's) over one model, each
+/// with an optional schedule. One training step:
 ///
-///   ztrain::optim::OptimManager mgr(ztrain::LossScaler::dynamic());
+///   ztrain::optim::OptimManager mgr(*model, ztrain::LossScaler::dynamic());
 ///   mgr.add_optimizer(opt, std::make_shared<ztrain::lr_scheduler::Cosine>(lr_options));
 ///   mgr.zero_grad();
 ///   mgr.backward(loss);              // (loss × scale).backward()
 ///   mgr.clip_grad_norm(1.0);         // the unscaled global norm, before clipping
 ///   bool applied = mgr.step();       // false: an inf/NaN somewhere, the step was skipped
 ///
-/// step() is collective over the world: every rank calls it, and if any rank's gradients hold
-/// an inf or NaN, every rank skips the step (gradients zeroed, the scale backed off, schedules
-/// not advanced). clip_grad_norm() is collective too and counts each gradient element once:
-/// shards of ZeRO levels 1–3 on every dp rank, replicated gradients (level 0, plain parameters)
-/// once per dp group; tensor-parallel slices on every tp rank, parameters replicated over the tp
-/// group once; a parameter tied across pipeline stages (pipe::Pipeline::tie) once. Without
+/// The model is where the manager learns what each gradient is: its parameters' records
+/// (runtime/parameter_record.h) and the parallel context they live on. step() is collective
+/// over that context's world: every rank calls it, and if any rank's gradients hold an inf or
+/// NaN, every rank skips the step (gradients zeroed, the scale backed off, schedules not
+/// advanced). clip_grad_norm() is collective too and counts each gradient element of the model
+/// once: shards of ZeRO levels 1–3 on every dp rank, replicated gradients (level 0, plain
+/// parameters) once per dp group; tensor-parallel slices on every tp rank, parameters
+/// replicated over the tp group once; a parameter tied across pipeline stages
+/// (pipe::Pipeline::tie) once. The optimizers must update parameters of the model. Without
 /// init_distributed everything is local.
 
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>
+#include <ztrain/runtime/parallel_context.h>
 
 #include <torch/torch.h>
 
@@ -42,7 +46,8 @@ struct OptimManagerState {
 
 class OptimManager {
  public:
-  explicit OptimManager(LossScaler scaler = LossScaler::off());
+  /// `model` must outlive the manager.
+  explicit OptimManager(torch::nn::Module& model, LossScaler scaler = LossScaler::off());
 
   /// The optimizer must outlive the manager. The schedule, if any, sets the optimizer's lr
   /// before each step.
@@ -75,6 +80,8 @@ class OptimManager {
   std::vector<torch::Tensor> gradients() const;
   void unscale();
 
+  torch::nn::Module& model_;
+  ParallelContext* context_;  // null without a runtime
   LossScaler scaler_;
   std::vector<torch::optim::Optimizer*> optimizers_;
   std::vector<std::shared_ptr<LRScheduler>> schedulers_;

@@ -23,7 +23,7 @@
 ///
 /// Construction is collective over `pp`. Not thread-safe.
 ///
-///   ztrain::pipe::Boundary boundary(ztrain::runtime().pp());
+///   ztrain::pipe::Boundary boundary(ctx.pp());                      // a ParallelContext's pp group
 ///   // stage s: hidden requires grad, mask and positions never do
 ///   auto in = boundary.recv_forward(/*id=*/mb).wait().tensors;     // stages > 0
 ///   auto out = stage_forward(in);

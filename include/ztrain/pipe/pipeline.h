@@ -7,17 +7,19 @@
 /// or at explicit boundaries, uneven counts allowed — one per virtual stage; rank s holds the
 /// parts of virtual stages s, p+s, … (v = 1 unless the schedule is interleaved), each as a
 /// `Stage`. `StageModule<M>` is the usual stage: the blocks of its part as a BlockList, the
-/// layers before the list on virtual stage 0 and the layers after it on the last. Each stage
-/// uses Blocks at any ZeRO level over its own data-parallel group (`runtime().dp()`, which
-/// init_distributed({.pp_size = p}) builds per stage).
+/// layers before the list on virtual stage 0 and the layers after it on the last. The pipeline
+/// runs over a parallel context's pp group (PipelineOptions::context, the default context when
+/// not set); each stage uses Blocks at any ZeRO level over that context's data-parallel group,
+/// one per stage (init_distributed({.pp_size = p}) lays the default context out so).
 ///
 /// `Pipeline::forward_backward_step` runs one step's micro-batches through the schedule:
 /// forward, then backward of (loss / m) on the last stage, so gradients are those of the mean
 /// loss over the micro-batches (and, through ZeRO's mean over dp, over the data-parallel
 /// replicas). It returns that mean loss on the last stage, and on every rank with
 /// `broadcast_loss`. Parameters held by several stages (a token embedding tied to the LM head)
-/// are declared with `tie`: their copies start equal and their gradients are summed across the
-/// owning stages before the step returns, so the optimizer sees the single-process gradient.
+/// are declared with `tie`: their copies start equal, their gradients are summed across the
+/// owning stages before the step returns, so the optimizer sees the single-process gradient,
+/// and their records count the copies (a global gradient norm counts each once).
 ///
 /// Wrap the layers before and after the list in Blocks, not DistributedParameters: a
 /// DistributedParameter hands the same gathered tensor to every forward until its backward,
@@ -177,22 +179,24 @@ struct PipelineOptions {
   ScheduleKind schedule = ScheduleKind::k1F1B;
   /// Return the step's loss on every rank (broadcast from the last stage), not only there.
   bool broadcast_loss = false;
+  /// The mesh whose pp group the stages span. Not set: the default context.
+  std::shared_ptr<ParallelContext> context;
 };
 
 class Pipeline {
  public:
   /// This rank's chunks: chunk c is virtual stage c·p + s of p·v (v = chunks.size(), 1 unless
-  /// the schedule is interleaved). Collective over `runtime().pp()`; every stage passes the
-  /// same number of chunks.
+  /// the schedule is interleaved). Collective over the context's pp group; every stage passes
+  /// the same number of chunks.
   explicit Pipeline(std::vector<std::shared_ptr<StageImpl>> chunks, PipelineOptions options = {});
 
   /// Declares tied copies of one parameter: `local` are the tensors the optimizer updates for
   /// it on this rank (a plain parameter, or the shards of a Block / DistributedParameter
   /// holding only it; empty where this stage holds none). Collective over the pipeline group:
   /// every stage calls tie with the same names in the same order. The copies are set to the
-  /// lowest owning stage's values now (same initial value), and forward_backward_step sums
-  /// their gradients over all copies. Shards line up only when each copy is wrapped alone, with
-  /// the same ZeRO level, on every owning stage (checked).
+  /// lowest owning stage's values now (same initial value), their records count the copies,
+  /// and forward_backward_step sums their gradients over all copies. Shards line up only when
+  /// each copy is wrapped alone, with the same ZeRO level, on every owning stage (checked).
   void tie(const std::string& name, std::vector<torch::Tensor> local);
 
   /// Forward and backward of every micro-batch (each a list of tensors, as the stages'
@@ -225,6 +229,8 @@ class Pipeline {
     std::unique_ptr<Communicator> group;  // the pipeline ranks of the owning stages
   };
   void reduce_tied_gradients();
+  /// The record its owning module keeps of `t`, a parameter of this rank's chunks.
+  ParameterRecord& record_of_chunk_parameter(const torch::Tensor& t, const std::string& tie);
   /// Checks that every stage passed `m` micro-batches.
   void check_micro_batches(int m, const char* what);
   /// The mean of the last stage's per-micro-batch losses, where `losses` are held (and on
@@ -233,16 +239,12 @@ class Pipeline {
 
   std::vector<std::shared_ptr<StageImpl>> chunks_;
   PipelineOptions options_;
+  std::shared_ptr<ParallelContext> context_;
   Communicator& pp_;
   int stages_ = 1;
   int stage_ = 0;
   Boundary boundary_;
   std::vector<Tie> ties_;
 };
-
-/// How many pipeline stages hold a copy of `t` declared with Pipeline::tie (1 for any other
-/// tensor). Their gradients are equal after forward_backward_step, so a global gradient norm
-/// counts each copy's square sum 1/copies times (OptimManager does).
-int tied_copies(const torch::Tensor& t);
 
 }  // namespace ztrain::pipe

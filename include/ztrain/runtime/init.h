@@ -1,12 +1,14 @@
 #pragma once
-/// The distributed runtime: MPI, the rank layout, communicators, seeds and threads.
+/// The distributed runtime: the communication backend, the default parallel context, seeds and
+/// threads.
 ///
 /// `init_distributed` is called once per process, before any other ztrain call that
-/// communicates. It initialises MPI with MPI_THREAD_MULTIPLE (or adopts an MPI the program
-/// already initialised, which then must provide that level), builds the pp × dp × tp topology
-/// and one communicator per group, seeds libtorch's default generator (different per
-/// data-parallel replica and stage, same across a tensor-parallel group) and sets the
-/// intra-op thread count. A plain `./program` without mpirun is a world of one rank.
+/// communicates. It starts the communicator backend (MPI with MPI_THREAD_MULTIPLE, or adopts an
+/// MPI the program already initialised, which then must provide that level), builds the default
+/// ParallelContext over every rank — the pp × dp × tp topology and one communicator per group —
+/// seeds libtorch's default generator (different per data-parallel replica and stage, same
+/// across a tensor-parallel group) and sets the intra-op thread count. A plain `./program`
+/// without mpirun is a world of one rank. More contexts can be split from the default one.
 ///
 /// The runtime lives until `finalize_distributed()` or process exit, whichever comes first;
 /// MPI is finalised then if ztrain initialised it (and skipped after a communication failure,
@@ -18,6 +20,7 @@
 ///   }
 
 #include <ztrain/comm/communicator.h>
+#include <ztrain/runtime/parallel_context.h>
 #include <ztrain/runtime/topology.h>
 
 #include <c10/util/StringUtil.h>
@@ -32,6 +35,8 @@ namespace ztrain {
 
 struct InitOptions {
   uint64_t seed = 0;
+  /// The communicator backend (comm/backend.h).
+  std::string backend = "mpi";
   int tp_size = 1;
   int pp_size = 1;
   /// Intra-op threads per rank. Not set: OMP_NUM_THREADS if the environment sets it, else the
@@ -61,10 +66,14 @@ class Runtime {
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
-  const Topology& topology() const { return topology_; }
-  int rank() const { return rank_; }
-  int world_size() const { return topology_.world_size(); }
-  Coord coord() const { return topology_.coord(rank_); }
+  /// The default context: every rank, laid out as InitOptions says.
+  ParallelContext& context() { return *context_; }
+  const std::shared_ptr<ParallelContext>& context_ptr() const { return context_; }
+
+  const Topology& topology() const { return context_->topology(); }
+  int rank() const { return context_->rank(); }
+  int world_size() const { return context_->world_size(); }
+  Coord coord() const { return context_->coord(); }
   int tp_rank() const { return coord().tp; }
   int dp_rank() const { return coord().dp; }
   int pp_rank() const { return coord().pp; }
@@ -72,37 +81,33 @@ class Runtime {
   int local_size() const { return local_size_; }
   int local_rank() const { return local_rank_; }
 
-  /// Communicators of the groups this rank belongs to. Not thread-safe: a thread other than
-  /// the one that called init_distributed should dup() its own.
-  Communicator& world() { return *world_; }
-  Communicator& tp() { return *tp_; }
-  Communicator& dp() { return *dp_; }
-  Communicator& pp() { return *pp_; }
+  /// The default context's communicators. Not thread-safe: a thread other than the one that
+  /// called init_distributed should dup() its own.
+  Communicator& world() { return context_->world(); }
+  Communicator& tp() { return context_->tp(); }
+  Communicator& dp() { return context_->dp(); }
+  Communicator& pp() { return context_->pp(); }
   /// All ranks of this pipeline stage (dp × tp).
-  Communicator& stage() { return *stage_; }
+  Communicator& stage() { return context_->stage(); }
 
-  uint64_t seed() const { return seed_; }
+  uint64_t seed() const { return context_->seed(); }
   int threads() const { return threads_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   bool debug_collectives() const { return debug_; }
   bool huge_pages() const { return huge_pages_; }
-  bool host_shared_buffers() const { return host_shared_buffers_; }
+  bool host_shared_buffers() const { return context_->host_shared_buffers(); }
 
  private:
   friend Runtime& init_distributed(const InitOptions&);
   explicit Runtime(const InitOptions& options);
 
-  int rank_ = 0;
-  Topology topology_;
   int local_size_ = 1;
   int local_rank_ = 0;
-  uint64_t seed_;
   int threads_ = 1;
   std::chrono::milliseconds timeout_;
   bool debug_ = false;
   bool huge_pages_ = false;
-  bool host_shared_buffers_ = true;
-  std::unique_ptr<Communicator> world_, tp_, dp_, pp_, stage_;
+  std::shared_ptr<ParallelContext> context_;
 };
 
 /// Initialise the runtime (collective over all processes). Throws if called twice.
@@ -111,6 +116,10 @@ Runtime& init_distributed(const InitOptions& options = {});
 bool is_initialized();
 /// The runtime; throws ztrain::Error naming init_distributed when it was not called.
 Runtime& runtime();
+/// The runtime's default context (throws as runtime() does).
+ParallelContext& default_context();
+/// `context` if set, else the default context: how components resolve an option left unset.
+std::shared_ptr<ParallelContext> context_or_default(const std::shared_ptr<ParallelContext>& context);
 /// Tear the runtime down and finalise MPI if ztrain started it (collective). Happens at process
 /// exit otherwise. MPI cannot be started again afterwards.
 void finalize_distributed();
@@ -122,8 +131,9 @@ int world_size();
 void synchronize();
 /// The mean of a per-rank loss over the data-parallel group — a mean, not a sum, despite the
 /// name kept from BMTrain: each rank's loss is already the mean over its micro-batch, so this
-/// is the global mean for equal micro-batches. Detached; collective over the dp group.
-torch::Tensor sum_loss(const torch::Tensor& loss);
+/// is the global mean for equal micro-batches. Detached; collective over the dp group of
+/// `context` (the default context when null).
+torch::Tensor sum_loss(const torch::Tensor& loss, ParallelContext* context = nullptr);
 
 /// Prints the streamed arguments, followed by a newline, on world rank `rank` only.
 template <class... Args>

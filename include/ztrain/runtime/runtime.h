@@ -1,5 +1,7 @@
 #pragma once
-/// The runtime area: initialisation, rank layout and seeds.
+/// The runtime area: initialisation, parallel contexts, rank layout, parameter records and seeds.
 #include <ztrain/runtime/init.h>
+#include <ztrain/runtime/parallel_context.h>
+#include <ztrain/runtime/parameter_record.h>
 #include <ztrain/runtime/rng.h>
 #include <ztrain/runtime/topology.h>

@@ -1,11 +1,12 @@
 #pragma once
-/// Tensor-parallel layers with Megatron-LM semantics over the runtime's tp group.
+/// Tensor-parallel layers with Megatron-LM semantics over a tp group.
 ///
 /// Every rank of the tp group holds one slice of each weight and computes one replicated loss;
 /// the conjugate communication (functional.h's *_group functions) makes input, weight and bias
-/// gradients exact — none is lost and none is scaled by the group size. Parameters declare
-/// their split (tp/split.h), so init_parameters draws the full tensors, and model files and
-/// gathered optimizer state hold them unsplit and load at any tp size.
+/// gradients exact — none is lost and none is scaled by the group size. Each layer keeps the
+/// records of its parameters (runtime/parameter_record.h) and declares the split ones there
+/// (tp/split.h), so init_parameters draws the full tensors, and model files and gathered
+/// optimizer state hold them unsplit and load at any tp size.
 ///
 /// | layer                 | weight slice                         | forward / backward comm.        |
 /// |-----------------------|--------------------------------------|---------------------------------|
@@ -17,8 +18,8 @@
 /// Inputs must be the same on every rank of the tp group (same batch, same dropout masks); the
 /// runtime seeds the default generator the same across a tp group for that. With one rank the
 /// layers are their dense counterparts with no communication. Weights are [out, in] as
-/// torch::nn::Linear, or [in, out] (WeightLayout::kInOut, Hugging Face's Conv1D). Without a
-/// runtime the group has one rank.
+/// torch::nn::Linear, or [in, out] (WeightLayout::kInOut, Hugging Face's Conv1D). The group is
+/// the one given, else the default context's tp group; without a runtime it has one rank.
 ///
 ///   auto rt = ztrain::init_distributed({.tp_size = 2});
 ///   ztrain::tp::ColumnParallelLinear fc({.in_features = 512, .out_features = 2048});
@@ -28,11 +29,16 @@
 ///   auto loss = ztrain::tp::parallel_cross_entropy(torch::matmul(h, wte->weight.t()), targets);
 
 #include <ztrain/comm/communicator.h>
+#include <ztrain/runtime/parameter_record.h>
 #include <ztrain/tp/split.h>
 
 #include <torch/torch.h>
 
 namespace ztrain::tp {
+
+/// The group a layer given `group` splits over: `group`, else the default context's tp group,
+/// else null (no runtime: one rank).
+Communicator* resolve_group(Communicator* group);
 
 enum class WeightLayout {
   kOutIn,  // [out, in], y = x Wᵀ + b (torch::nn::Linear)
@@ -55,9 +61,9 @@ struct ColumnParallelLinearOptions {
 
 /// y = x W + b with W split by output features; the local output is [.., out / tp] (or the
 /// full output with gather_output).
-class ColumnParallelLinearImpl : public torch::nn::Module {
+class ColumnParallelLinearImpl : public torch::nn::Module, public ParameterRecords {
  public:
-  /// `group` defaults to the runtime's tp communicator. Initial weights are drawn in full from
+  /// `group` defaults to the default context's tp communicator. Initial weights are drawn in full from
   /// the default generator (uniform ±1/√in as torch::nn::Linear) and sliced, so they do not
   /// depend on the tp size; init_parameters replaces them.
   explicit ColumnParallelLinearImpl(ColumnParallelLinearOptions options, Communicator* group = nullptr);
@@ -91,7 +97,7 @@ struct RowParallelLinearOptions {
 
 /// y = x W + b with W split by input features: each rank multiplies its input features, the
 /// partial products are all-reduced, then the (replicated) bias is added.
-class RowParallelLinearImpl : public torch::nn::Module {
+class RowParallelLinearImpl : public torch::nn::Module, public ParameterRecords {
  public:
   explicit RowParallelLinearImpl(RowParallelLinearOptions options, Communicator* group = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
@@ -120,7 +126,7 @@ struct VocabParallelEmbeddingOptions {
 /// Each rank holds rows [r·V/tp, (r+1)·V/tp) of the table, looks up the tokens in its range
 /// (zeros for the others) and the rows are all-reduced, so every rank's tokens send gradient
 /// to the slice that holds them.
-class VocabParallelEmbeddingImpl : public torch::nn::Module {
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public ParameterRecords {
  public:
   /// Initial weights N(0, 1) drawn in full and sliced, as torch::nn::Embedding.
   explicit VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options, Communicator* group = nullptr);

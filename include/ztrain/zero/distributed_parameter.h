@@ -31,9 +31,11 @@ struct DistributedParameterOptions {
   /// The parameter's name inside this module.
   std::string name = "weight";
   bool requires_grad = true;
-  /// The value is this rank's slice of a tensor-parallel parameter split this way
-  /// (tp/split.h); checkpoints and init_parameters then see the full tensor.
-  std::optional<tp::Split> tp_split;
+  /// The value is this rank's slice of a tensor-parallel parameter split this way over the
+  /// context's tp group (tp/split.h); checkpoints and init_parameters then see the full tensor.
+  std::optional<TensorSplit> tp_split;
+  /// The mesh whose dp group shards it. Not set: the default context.
+  std::shared_ptr<ParallelContext> context;
 };
 
 class DistributedParameterImpl : public ShardedModule {

@@ -5,7 +5,8 @@
 /// 2–3, plain parameters in full); gathered counts the full buffers of levels 2–3 allocated
 /// right now (between steps: none, unless a module was gathered by hand); gradients count the
 /// `.grad` tensors now allocated; optimizer counts the state tensors of the optimizer given
-/// (fp32 master weights and moments). Not collective.
+/// (fp32 master weights and moments; optim/state_view.h lists the optimizers it reads). What
+/// each level keeps comes from its policy (level_policy.h). Not collective.
 ///
 ///   auto m = ztrain::memory_stats(*model, &optimizer);
 ///   ztrain::print_rank("params ", m.parameter_bytes, " grads ", m.gradient_bytes, " peak ", m.peak_rss_bytes);
@@ -28,10 +29,6 @@ struct MemoryStats {
   int64_t model_state_bytes() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
 };
 
-MemoryStats memory_stats(torch::nn::Module& model, const torch::optim::Optimizer* optimizer = nullptr);
-
-/// Bytes of every tensor in `optimizer`'s state (torch::optim's Adam, AdamW, SGD, RMSprop,
-/// Adagrad states, and ztrain's optimizers).
-int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
+MemoryStats memory_stats(torch::nn::Module& model, torch::optim::Optimizer* optimizer = nullptr);
 
 }  // namespace ztrain

@@ -1,12 +1,13 @@
 #pragma once
 /// The ZeRO machinery shared by Block and DistributedParameter: a wrapped user module whose
-/// parameters live in flat, sharded buffers over the data-parallel group.
+/// parameters live in flat, sharded buffers over the data-parallel group of a parallel context
+/// (BlockOptions::context; the default context when not set).
 ///
 /// Construction (collective over the dp group) groups the wrapped module's parameters by
 /// (dtype, requires_grad), lays each group out in a flat buffer (FlatParamLayout), broadcasts
 /// the buffer from dp rank 0 so every rank starts from the same values, and points the user's
 /// parameter tensors into it: the user's module keeps its parameter objects and names, only
-/// their storage moves. What stays between steps depends on the ZeRO level:
+/// their storage moves. What stays between steps depends on the ZeRO level (level_policy.h):
 ///
 /// | level | kept between steps          | gradient                         | optimizer sees     |
 /// |-------|-----------------------------|----------------------------------|--------------------|
@@ -16,12 +17,14 @@
 /// | 3     | the shard; gathered for forward, freed, gathered again for backward | … | shard  |
 ///
 /// The tensors optimizers update are registered as this module's parameters (`parameters()`
-/// returns them), so stock `torch::optim` optimizers work. At level 1 a step changes only this
+/// returns them), so stock `torch::optim` optimizers work; their records
+/// (runtime/parameter_record.h) say which are dp shards, which hold tensor-parallel slices, and
+/// carry the fence an asynchronous optimizer sets (the module waits on it before it reads). At level 1 a step changes only this
 /// rank's part of the full buffer, so the first forward after a backward (or after the shard
 /// was written through its own version counter) all-gathers the buffer in place; with
 /// gradient accumulation that is one gather per micro-batch. Gradients are reduced on a background stream while backward goes
-/// on and land in the shards' `.grad` (accumulating, like any parameter) before backward()
-/// returns.
+/// on, each added to its shard's `.grad` (accumulating, like any parameter) by the stream, and
+/// all of them have landed when backward() returns.
 ///
 /// Forward runs the wrapped module inside one autograd node. Without recomputation the inner
 /// graph is kept; with it (use_checkpoint) forward saves only the inputs and the RNG state and
@@ -32,8 +35,10 @@
 /// order (the usual SPMD contract). Not thread-safe.
 
 #include <ztrain/comm/work.h>
-#include <ztrain/tp/split.h>
+#include <ztrain/runtime/parallel_context.h>
+#include <ztrain/runtime/parameter_record.h>
 #include <ztrain/zero/flat_param.h>
+#include <ztrain/zero/level_policy.h>
 
 #include <torch/torch.h>
 
@@ -53,10 +58,11 @@ struct BlockOptions {
   bool use_checkpoint = true;
   /// BlockList: how many following (in backward: preceding) blocks to gather ahead.
   int prefetch_depth = 1;
+  /// The mesh whose dp group shards the parameters. Not set: the default context.
+  std::shared_ptr<ParallelContext> context;
 };
 
 namespace detail {
-class ZeroContext;
 struct ShardedCall;
 class ShardedBackward;
 }  // namespace detail
@@ -72,14 +78,16 @@ struct ShardGroup {
   torch::Tensor full;
   /// The wrapped module's parameter tensors, in layout order.
   std::vector<torch::Tensor> params;
-  /// Their tensor-parallel splits (tp/split.h), in layout order.
-  std::vector<std::optional<tp::Split>> splits;
-  /// Whether the group holds tensor-parallel slices (different on every tp rank). With a tp
-  /// group of more than one rank, split and replicated parameters never share a group.
+  /// Their tensor-parallel splits (from their owners' records), in layout order.
+  std::vector<std::optional<TensorSplit>> splits;
+  /// Whether the group holds tensor-parallel slices (different on every rank of `tp_group`).
+  /// Split and replicated parameters never share a group when the tp group has several ranks.
   bool tp_distinct = false;
+  /// The group the split parameters are cut over (null when none is split).
+  Communicator* tp_group = nullptr;
 };
 
-class ShardedModule : public torch::nn::Module {
+class ShardedModule : public torch::nn::Module, public ParameterRecords {
  public:
   /// A forward over a list of tensors.
   using Fn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
@@ -88,6 +96,10 @@ class ShardedModule : public torch::nn::Module {
 
   const BlockOptions& options() const { return options_; }
   int zero_level() const { return options_.zero_level; }
+  /// What this module's level shards, gathers and reduces.
+  const LevelPolicy& policy() const { return *policy_; }
+  /// The mesh whose dp group shards this module.
+  ParallelContext& context() const { return *context_; }
   const std::vector<ShardGroup>& groups() const { return groups_; }
   /// (group, entry) of every wrapped parameter, in the wrapped module's parameter order.
   const std::vector<std::pair<size_t, size_t>>& parameter_order() const { return order_; }
@@ -103,6 +115,8 @@ class ShardedModule : public torch::nn::Module {
   void release();
   /// Whether the full buffers are allocated and hold the current values.
   bool is_gathered() const;
+  /// Waits until no asynchronous optimizer is writing this module's shards; rethrows its error.
+  void wait_for_updates() const;
 
   /// Bytes this rank holds between steps for parameters, the gathered buffers now allocated,
   /// and the shards' gradients now allocated.
@@ -132,13 +146,17 @@ class ShardedModule : public torch::nn::Module {
   void start_gather();
   void finish_gather();
   std::vector<torch::Tensor> backward(detail::ShardedCall& call, const std::vector<torch::Tensor>& grads);
-  void reduce_gradients();
+  void reduce_gradient(size_t group, torch::Tensor flat_grad);
   std::vector<torch::Tensor> own_outputs(std::vector<torch::Tensor> outputs) const;
+  /// The fence an asynchronous optimizer sets on group g's shard (its record holds it too).
+  const UpdateFence& fence(size_t g) const { return *fences_[g]; }
 
   std::shared_ptr<torch::nn::Module> wrapped_;
   BlockOptions options_;
   std::string kind_;
-  std::shared_ptr<detail::ZeroContext> context_;
+  std::shared_ptr<ParallelContext> context_;
+  const LevelPolicy* policy_ = nullptr;
+  std::vector<std::shared_ptr<UpdateFence>> fences_;  // one per group, shared with its record
   std::vector<ShardGroup> groups_;
   std::vector<std::pair<size_t, size_t>> order_;
   std::vector<Work> gathering_;     // in-flight gathers, one per group
@@ -161,36 +179,32 @@ struct NamedParameterRef {
   size_t group = 0;
   size_t entry = 0;
   torch::Tensor tensor;  // plain parameters only
-  /// How a tensor-parallel parameter is split (shape is this rank's slice).
-  std::optional<tp::Split> split;
+  /// How a tensor-parallel parameter is split (shape is this rank's slice), and over which group.
+  std::optional<TensorSplit> split;
+  Communicator* tp_group = nullptr;
 
-  /// `split` when the runtime's tp group has more than one rank, else nothing.
-  std::optional<tp::Split> tp_split() const;
+  /// `split` when its tp group has more than one rank, else nothing.
+  std::optional<TensorSplit> tp_split() const;
   /// The unsplit shape (shape unless tp_split()).
   std::vector<int64_t> full_shape() const;
+  /// The rank's dp group and position in it, for a sharded parameter (null and 0 otherwise).
+  Communicator* dp_group() const { return owner ? &owner->context().dp() : nullptr; }
 };
 std::vector<NamedParameterRef> named_parameter_refs(torch::nn::Module& module);
 
 /// The full value of one parameter: gathers its module if needed (collective over dp for
 /// sharded parameters at levels 1–3, and over tp for tensor-parallel ones; every rank must ask
-/// for the same parameters in the same order) and returns a copy.
+/// for the same parameters in the same order) and returns a copy. Waits for a pending
+/// asynchronous update of it first.
 torch::Tensor full_parameter(const NamedParameterRef& ref);
 
 /// Every parameter's full value under its plain name (collective; materialises the whole
 /// model on every rank, so for tests and small models — save() writes block by block).
 std::vector<std::pair<std::string, torch::Tensor>> gathered_parameters(torch::nn::Module& module);
 
-/// Whether `t` is a shard a sharded module at level 1–3 registered: each dp rank holds
-/// different elements (gradient norms count it on every rank; replicated tensors once).
-bool is_dp_sharded(const torch::Tensor& t);
-
-/// Whether `t` is a tensor a sharded module registered for optimizers (a shard at levels 1–3,
-/// the full buffer at level 0): sharded modules wait for pending updates of such tensors
-/// themselves (runtime/pending_updates.h), so an optimizer may update them asynchronously.
-bool is_sharded_module_tensor(const torch::Tensor& t);
-
-/// Waits for the gradient reductions still in flight (backward() waits for them itself; this
-/// is for code that calls torch::autograd::grad or runs backward on another thread).
-void wait_gradient_reductions();
+/// Waits for the gradient reductions still in flight on `context`'s reduction stream (the
+/// default context's when null). backward() waits for them itself; this is for code that runs
+/// backward on another thread.
+void wait_gradient_reductions(ParallelContext* context = nullptr);
 
 }  // namespace ztrain

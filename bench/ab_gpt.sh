@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Usage: bench/ab_gpt.sh BUILD_A BUILD_B [ROUNDS] [STEPS] [PRESET]
+#
+# Two builds of ztrain (say, before and after a change) side by side in one run: gpt_bench of
+# each, on 2 ranks x 1 thread, at ZeRO levels 0 and 3 in fp32 and bf16, the two builds taking
+# turns configuration by configuration, ROUNDS times (default 3), so that drift in the machine's
+# speed slows both alike. Prints each configuration's median step time over its runs for A and
+# B, the spread (lowest and highest run), and B/A in tokens/s.
+set -euo pipefail
+a=$1 b=$2
+rounds=${3:-3}
+steps=${4:-20}
+preset=${5:-small}
+root=$(cd "$(dirname "$0")/.." && pwd)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+for bin in "$a/bench/gpt_bench" "$b/bench/gpt_bench"; do
+  [[ -x $bin ]] || { echo "ab_gpt: no $bin (build with ZTRAIN_BUILD_BENCH=ON)" >&2; exit 1; }
+done
+echo "gpt_bench --preset $preset --steps $steps --warmup 3, 2 ranks x 1 thread; A=$a B=$b; $rounds rounds"
+for round in $(seq "$rounds"); do
+  for dtype in fp32 bf16; do
+    for level in 0 3; do
+      for side in A B; do
+        build=$a
+        [[ $side == B ]] && build=$b
+        line=$(mpirun -np 2 --oversubscribe --bind-to none "$build/bench/gpt_bench" --preset "$preset" \
+                 --level "$level" --dtype "$dtype" --steps "$steps" --warmup 3 \
+                 --data "$root/data/tinyshakespeare.txt" | tail -n 1)
+        echo "$side $dtype $level $line" >> "$results"
+        echo "round $round: $side $dtype level $level done" >&2
+      done
+    done
+  done
+done
+python3 - "$results" <<'EOF'
+import json, statistics, sys
+runs = {}
+for row in open(sys.argv[1]):
+    side, dtype, level, payload = row.split(" ", 3)
+    r = json.loads(payload)
+    runs.setdefault((dtype, int(level)), {}).setdefault(side, []).append((r["step_s"]["median"], r["loss_last"]))
+print(f"{'dtype':6} {'level':>5} {'A step s (min-max)':>24} {'B step s (min-max)':>24} {'B/A tokens/s':>13}  losses A = B")
+for (dtype, level), sides in sorted(runs.items()):
+    a = [s for s, _ in sides["A"]]
+    b = [s for s, _ in sides["B"]]
+    same = {l for _, l in sides["A"]} == {l for _, l in sides["B"]}
+    fmt = lambda v: f"{statistics.median(v):.4f} ({min(v):.4f}-{max(v):.4f})"
+    print(f"{dtype:6} {level:>5} {fmt(a):>24} {fmt(b):>24} {statistics.median(a) / statistics.median(b):>13.3f}  {same}")
+EOF

@@ -1,0 +1,186 @@
+#include <ztrain/comm/communicator.h>
+
+#include "host_shared_detail.h"
+#include "reduce.h"
+
+#include <iostream>
+#include <mutex>
+#include <sstream>
+
+// Collectives over host-shared buffers, for any transport whose members share a host.
+//
+// When every member's buffer is host-shared (comm/host_shared.h), a collective takes three
+// steps. The members exchange the names of their buffers, which also tells each that the others
+// have arrived with their inputs ready; each maps the others' buffers and all agree that every
+// mapping worked. Each then reads or writes what it needs straight in the members' buffers. A
+// closing barrier keeps every buffer alive and unchanged until all members have finished with it.
+// - all_reduce: member r sums segment r over all buffers and stores the sum to segment r of
+//   every buffer, which no other member touches, so each element is read once and written once
+//   per buffer with no barrier in the middle.
+// - all_gather, where the outputs are shared: member r writes its input into slice r of every
+//   output, so an input is read once, not once per member (at 2 ranks a rank reads S/2 and
+//   writes S, against S and S when each rank pulls the inputs). Where only the inputs are
+//   shared, each member pulls them into its own output.
+// - reduce_scatter: member r sums slice r of every input into its output.
+// Each member starts at a different peer, so that no buffer is read by all members at once.
+// The exchanges and the agreement are the communicator's control collectives (the transport's
+// own, else rings), and the barrier its own too, so the path needs nothing of the transport
+// beyond them.
+
+namespace ztrain {
+
+namespace {
+
+// Below this, reductions go through libtorch in chunks this size (kept in cache between the
+// steps of a sum over more than two members).
+constexpr int64_t kReduceChunkBytes = int64_t{256} << 10;
+
+torch::Tensor view_of(const char* data, int64_t numel, c10::ScalarType dtype) {
+  return torch::from_blob(const_cast<char*>(data), {numel}, torch::dtype(dtype));
+}
+
+}  // namespace
+
+Communicator::Members Communicator::map_members(const std::vector<torch::Tensor>& buffers, const char* call) {
+  if (!host_local_ || size_ == 1) return {};
+  struct Entry {
+    int32_t shared = 0;
+    int64_t bytes = 0;
+    detail::SharedRange range;
+  };
+  const int count = static_cast<int>(buffers.size());
+  std::vector<Entry> mine(count);
+  for (int b = 0; b < count; ++b) {
+    const auto& buffer = buffers[b];
+    mine[b].bytes = static_cast<int64_t>(buffer.nbytes());
+    const bool eligible = options_.host_shared && buffer.device().is_cpu();
+    if (auto range = eligible ? detail::find_host_shared(buffer.data_ptr(), buffer.nbytes()) : std::nullopt) {
+      mine[b].shared = 1;
+      mine[b].range = *range;
+    }
+  }
+  std::vector<Entry> all(size_ * count);  // member m's buffer b at m * count + b
+  const auto entry_bytes = static_cast<int64_t>(count * sizeof(Entry));
+  control_all_gather(torch::from_blob(mine.data(), {entry_bytes}, torch::kUInt8),
+                     torch::from_blob(all.data(), {entry_bytes * size_}, torch::kUInt8), call);
+  auto of = [&](int m, int b) -> const Entry& { return all[m * count + b]; };
+  // Members read (and write) each other's buffers over this rank's extent: a member with a
+  // different size is refused on every member alike, before anyone touches memory.
+  for (int b = 0; b < count; ++b) {
+    bool same = true;
+    for (int m = 0; m < size_; ++m) same = same && of(m, b).bytes == mine[b].bytes;
+    if (same) continue;
+    std::ostringstream sizes;
+    for (int m = 0; m < size_; ++m) sizes << (m ? ", " : "") << "rank " << m << " " << of(m, b).bytes;
+    ZTRAIN_CHECK(false, call, " on communicator '", name(), "': the members' buffers differ in size (", sizes.str(),
+                 " bytes); every member must pass the same shape");
+  }
+  Members members;
+  for (int b = 0; b < count && members.buffer < 0; ++b) {
+    bool shared = true;
+    for (int m = 0; m < size_; ++m) shared = shared && of(m, b).shared;
+    if (shared) members.buffer = b;
+  }
+  if (members.buffer < 0) return {};
+  members.at.resize(size_);
+  int32_t mapped = 1;
+  std::string error;
+  for (int m = 0; m < size_ && mapped; ++m) {
+    members.at[m] = m == rank_ ? static_cast<char*>(buffers[members.buffer].data_ptr())
+                               : detail::map_host_shared(of(m, members.buffer).range, error);
+    mapped = members.at[m] != nullptr;
+  }
+  control_all_reduce(torch::from_blob(&mapped, {1}, torch::kInt32), ReduceOp::kMin, call);
+  if (mapped) return members;
+  // Correct either way, only slower: said once, not for every call.
+  static std::once_flag once;
+  if (!error.empty()) {
+    std::call_once(once, [&] {
+      std::cerr << "ztrain: " << call << " on communicator '" << name() << "' cannot map a peer's host-shared "
+                << "buffer (" << error << "); collectives on host-shared buffers take the transport instead"
+                << std::endl;
+    });
+  }
+  return {};
+}
+
+void Communicator::reduce_members(const torch::Tensor& dst, const std::vector<char*>& members, int64_t offset,
+                                  ReduceOp op, bool to_all) {
+  const auto dtype = dst.scalar_type();
+  const int64_t bytes_offset = offset * dst.element_size();
+  std::vector<char*> sources(size_);
+  for (int k = 0; k < size_; ++k) sources[k] = members[(rank_ + k) % size_] + bytes_offset;
+  if (dtype == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
+    auto* const* buffers = reinterpret_cast<float* const*>(sources.data());
+    if (to_all) {
+      detail::sum_to_all(buffers, size_, dst.numel());
+    } else {
+      detail::stream_sum(dst.data_ptr<float>(), buffers, size_, dst.numel());
+    }
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, kReduceChunkBytes / dst.element_size());
+  for (int64_t at = 0; at < dst.numel(); at += chunk) {
+    const int64_t len = std::min(chunk, dst.numel() - at);
+    auto out = dst.narrow(0, at, len);
+    const int64_t skip = at * dst.element_size();
+    detail::combine(out, view_of(sources[0] + skip, len, dtype), view_of(sources[1] + skip, len, dtype), op);
+    for (int k = 2; k < size_; ++k) detail::combine(out, out, view_of(sources[k] + skip, len, dtype), op);
+    // sources[0] is this rank's own buffer, which is `out` itself.
+    for (int k = 1; to_all && k < size_; ++k) std::memcpy(sources[k] + skip, out.data_ptr(), out.nbytes());
+  }
+}
+
+bool Communicator::host_shared_all_gather(const torch::Tensor& input, const torch::Tensor& output, bool in_place,
+                                          const char* call) {
+  const auto members = map_members({output, input}, call);
+  if (members.at.empty()) return false;
+  const auto slice = input.nbytes();
+  std::vector<char*> dsts;
+  if (members.buffer == 0) {
+    // The outputs are shared: this rank's input goes into its slice of every member's output,
+    // read once for all of them.
+    for (int k = 1; k <= size_; ++k) {
+      const int m = (rank_ + k) % size_;
+      if (m != rank_ || !in_place) dsts.push_back(members.at[m] + rank_ * slice);
+    }
+    detail::stream_copy_to_all(dsts.data(), static_cast<int>(dsts.size()), static_cast<const char*>(input.data_ptr()),
+                               slice);
+  } else {
+    // Only the inputs are shared: this rank copies every member's input into its own output.
+    auto* out = static_cast<char*>(output.data_ptr());
+    for (int k = 1; k <= size_; ++k) {
+      const int m = (rank_ + k) % size_;
+      if (m != rank_ || !in_place) detail::stream_copy(out + m * slice, members.at[m], slice);
+    }
+  }
+  run_barrier(call);
+  ++stats_.host_shared_calls;
+  detail::peer_traffic().all_gather += static_cast<int64_t>((size_ - 1) * slice);
+  return true;
+}
+
+bool Communicator::host_shared_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op,
+                                              const char* call) {
+  const auto members = map_members({input}, call);
+  if (members.at.empty()) return false;
+  reduce_members(output.view(-1), members.at, rank_ * output.numel(), op, /*to_all=*/false);
+  run_barrier(call);
+  ++stats_.host_shared_calls;
+  detail::peer_traffic().reduction += (size_ - 1) * static_cast<int64_t>(output.nbytes());
+  return true;
+}
+
+bool Communicator::host_shared_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call) {
+  const auto members = map_members({flat}, call);
+  if (members.at.empty()) return false;
+  const auto bounds = detail::even_bounds(flat.numel(), size_);
+  reduce_members(detail::segment(flat, bounds, rank_), members.at, bounds[rank_], op, /*to_all=*/true);
+  run_barrier(call);
+  ++stats_.host_shared_calls;
+  // Segment rank_ of every peer, read and then written.
+  detail::peer_traffic().reduction += 2 * (size_ - 1) * (bounds[rank_ + 1] - bounds[rank_]) * flat.element_size();
+  return true;
+}
+
+}  // namespace ztrain

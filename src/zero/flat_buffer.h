@@ -1,0 +1,24 @@
+#pragma once
+// The storage of the ZeRO engine's flat buffers: allocation, release and refill.
+
+#include <torch/torch.h>
+
+namespace ztrain::detail {
+
+/// An uninitialised flat CPU buffer for parameters or gradients: host-shared memory when
+/// `host_shared` (so that collectives on one host read the peers' buffers in place), else the
+/// current CPU allocator's. Its storage remembers that it is a flat buffer (is_flat_buffer), also
+/// once released and refilled.
+torch::Tensor flat_buffer(int64_t numel, c10::ScalarType dtype, bool host_shared);
+
+/// Whether `t` views the storage of a flat buffer (allocated now or released): a parameter that
+/// a sharded module already points into its buffer.
+bool is_flat_buffer(const torch::Tensor& t);
+
+/// Detaches `t`'s storage from its memory, keeping the StorageImpl: every tensor over it (the
+/// module's parameters, what autograd saved) sees the memory again after allocate_storage.
+void free_storage(const torch::Tensor& t);
+/// Gives `t`'s storage fresh memory of its size from its own allocator, unless it has it.
+void allocate_storage(const torch::Tensor& t);
+
+}  // namespace ztrain::detail
