@@ -51,7 +51,7 @@ template <Step Forward, Step Backward>
 struct Conjugate : torch::autograd::Function<Conjugate<Forward, Backward>> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, Communicator* comm, int64_t dim) {
     // Autograd contexts hold IValues; the communicator travels as its address. It must outlive
-    // the backward pass (the runtime's communicators live until finalisation).
+    // the backward pass (a context's communicators live as long as the context).
     ctx->saved_data["comm"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(comm));
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["shape"] = x.sizes().vec();

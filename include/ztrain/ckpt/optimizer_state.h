@@ -32,9 +32,9 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
 /// Collective over the world: every rank must call it at the same point of its program. Before
 /// it returns it copies the state tensors this rank holds, so the optimizer may step (and the
 /// model and optimizer may change or go away) right after; the copy is freed when the write
-/// ends. The background thread runs its collectives on its own duplicates of the runtime's
-/// world, dp and tp communicators — made by the first call, collectively, and reused — so the
-/// training thread's collectives go on meanwhile. At most one background save runs in a
+/// ends. The background thread runs its collectives on the background context of the model's
+/// parallel context (duplicates of its communicators, made by the first call, collectively, and
+/// reused), so the training thread's collectives go on meanwhile. At most one background save runs in a
 /// process: a call first waits for the previous one to finish. `path` is published atomically
 /// when the write completes (a reader sees the previous file or the complete new one); the
 /// handle's wait() returns then, or rethrows what failed (an unwritable path, a failed

@@ -3,7 +3,7 @@
 /// of a communicator.
 ///
 /// Operations run one after another in submission order; each returns a Work handle. Because a
-/// stream owns its MPI communicator, two streams (say, one for parameter gathers and one for
+/// stream owns its communicator (and so its transport), two streams (say, one for parameter gathers and one for
 /// gradient reductions) progress concurrently and never queue behind each other. The tensors an
 /// operation names are kept alive until it completes; the caller must not touch them until its
 /// Work is waited on.
