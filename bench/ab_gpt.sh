@@ -5,7 +5,8 @@
 # each, on 2 ranks x 1 thread, at ZeRO levels 0 and 3 in fp32 and bf16, the two builds taking
 # turns configuration by configuration, ROUNDS times (default 3), so that drift in the machine's
 # speed slows both alike. Prints each configuration's median step time over its runs for A and
-# B, the spread (lowest and highest run), and B/A in tokens/s.
+# B, the spread (lowest and highest run), and B/A in tokens/s. DTYPES and LEVELS (environment)
+# narrow the configurations, e.g. DTYPES=bf16 LEVELS="0 3".
 set -euo pipefail
 a=$1 b=$2
 rounds=${3:-3}
@@ -18,15 +19,15 @@ trap 'rm -f "$results"' EXIT
 for bin in "$a/bench/gpt_bench" "$b/bench/gpt_bench"; do
   [[ -x $bin ]] || { echo "ab_gpt: no $bin (build with ZTRAIN_BUILD_BENCH=ON)" >&2; exit 1; }
 done
-echo "gpt_bench --preset $preset --steps $steps --warmup 3, 2 ranks x 1 thread; A=$a B=$b; $rounds rounds"
+echo "gpt_bench --preset $preset --steps $steps --warmup ${WARMUP:-3}, 2 ranks x 1 thread; A=$a B=$b; $rounds rounds"
 for round in $(seq "$rounds"); do
-  for dtype in fp32 bf16; do
-    for level in 0 3; do
+  for dtype in ${DTYPES:-fp32 bf16}; do
+    for level in ${LEVELS:-0 3}; do
       for side in A B; do
         build=$a
         [[ $side == B ]] && build=$b
         line=$(mpirun -np 2 --oversubscribe --bind-to none "$build/bench/gpt_bench" --preset "$preset" \
-                 --level "$level" --dtype "$dtype" --steps "$steps" --warmup 3 \
+                 --level "$level" --dtype "$dtype" --steps "$steps" --warmup "${WARMUP:-3}" \
                  --data "$root/data/tinyshakespeare.txt" | tail -n 1)
         echo "$side $dtype $level $line" >> "$results"
         echo "round $round: $side $dtype level $level done" >&2

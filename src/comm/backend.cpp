@@ -41,10 +41,11 @@ std::unique_ptr<Communicator> make_world_communicator(const std::string& backend
   }
   ZTRAIN_CHECK(options.timeout.count() > 0, "communicator timeout must be positive, got ", options.timeout.count(),
                " ms");
-  auto pending = found->world();
-  std::vector<TransportRequest*> requests{pending.get()};
+  std::unique_ptr<PendingTransport> pending;
   bool done = false;
   try {
+    pending = found->world();
+    std::vector<TransportRequest*> requests{pending.get()};
     done = detail::poll_until_done(requests, options.timeout);
   } catch (const TransportFailure& e) {
     throw CommError(c10::str("ztrain: creating the '", backend, "' world communicator failed: ", e.what()), -1,

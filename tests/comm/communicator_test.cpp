@@ -299,9 +299,12 @@ TEST(Communicator, SplitFormsGroupsByColor) {
 TEST(Communicator, EveryCollectiveFromPointToPointAlone) {
   ztrain::Communicator c(ztrain::MpiTransport::adopt(MPI_COMM_WORLD, {.native_collectives = false}),
                          {.name = "p2p", .timeout = world().timeout()});
-  check_all_reduce(c, kSizes);
-  check_all_gather(c, kSizes);
-  check_reduce_scatter(c, kSizes);
+  // The ring sizes are the world tests' (the rings are point-to-point already); these are the
+  // sizes a backend's own collectives would otherwise carry.
+  const std::vector<int64_t> sizes = {0, 1, 17, 1023, 70000};
+  check_all_reduce(c, sizes);
+  check_all_gather(c, sizes);
+  check_reduce_scatter(c, sizes);
   for (auto dtype : kDtypes) {
     for (int root = 0; root < c.size(); ++root) {
       auto t = input_of(c.rank(), dtype, 1023);

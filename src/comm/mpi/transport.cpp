@@ -219,7 +219,14 @@ std::unique_ptr<PendingTransport> MpiTransport::dup_of(MPI_Comm comm, MpiTranspo
 std::unique_ptr<MpiTransport> MpiTransport::adopt(MPI_Comm comm, MpiTransportOptions options) {
   detail::require_mpi_threads();
   MPI_Comm mine = MPI_COMM_NULL;
-  check(MPI_Comm_dup(comm, &mine));
+  const int code = MPI_Comm_dup(comm, &mine);
+  if (code != MPI_SUCCESS) {
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    throw CommError(c10::str("ztrain: MpiTransport::adopt: MPI_Comm_dup failed on world rank ", rank, ": ",
+                             error_text(code)),
+                    rank, "MPI_Comm_dup", -1);
+  }
   return std::unique_ptr<MpiTransport>(new MpiTransport(mine, options));
 }
 
@@ -332,6 +339,9 @@ void start_mpi() {
                " but ztrain's communication streams need MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
                "); use an MPI built with thread support",
                initialized ? ", or initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)" : "");
+  // Errors come back as codes, so that a failing call (duplicating the world, say) reaches the
+  // caller as a CommError instead of aborting the job.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 }
 
 std::unique_ptr<PendingTransport> mpi_world() {

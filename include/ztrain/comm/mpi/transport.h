@@ -35,7 +35,8 @@ class MpiTransport final : public Transport {
   /// Starts duplicating `comm` (collective over its members; non-blocking).
   static std::unique_ptr<PendingTransport> dup_of(MPI_Comm comm, MpiTransportOptions options = {});
   /// Duplicates `comm` now (collective, blocking: for programs that hand ztrain their own MPI
-  /// communicator at a point where every member is known to be alive).
+  /// communicator at a point where every member is known to be alive). Raises ztrain::CommError
+  /// when MPI fails.
   static std::unique_ptr<MpiTransport> adopt(MPI_Comm comm, MpiTransportOptions options = {});
   ~MpiTransport() override;
 
