@@ -340,8 +340,9 @@ void start_mpi() {
                "); use an MPI built with thread support",
                initialized ? ", or initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)" : "");
   // Errors come back as codes, so that a failing call (duplicating the world, say) reaches the
-  // caller as a CommError instead of aborting the job.
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  // caller as a CommError instead of aborting the job. A program that started MPI itself keeps
+  // the handler it chose.
+  if (g_started_by_us) MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 }
 
 std::unique_ptr<PendingTransport> mpi_world() {
