@@ -3,6 +3,7 @@
 #include "host_shared_detail.h"
 
 #include <ztrain/error.h>
+#include <ztrain/torch_compat.h>
 
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
@@ -181,9 +182,9 @@ class Registry {
 
 void delete_block(void* block) { Registry::instance().release(static_cast<Block*>(block)); }
 
-class HostSharedAllocator final : public c10::Allocator {
+class HostSharedAllocator final : public HostAllocator {
  public:
-  c10::DataPtr allocate(size_t nbytes) const override {
+  c10::DataPtr allocate_bytes(size_t nbytes) const override {
     if (nbytes == 0) return {nullptr, nullptr, nullptr, c10::Device(c10::DeviceType::CPU)};
     Block* block = Registry::instance().create(nbytes);
     return {block->base, block, &delete_block, c10::Device(c10::DeviceType::CPU)};

@@ -1,6 +1,7 @@
 #include <ztrain/optim/adam.h>
 
 #include <ztrain/error.h>
+#include <ztrain/torch_compat.h>
 
 #include "adam_kernels.h"
 #include "thread_pool.h"
@@ -121,8 +122,6 @@ std::optional<WeightType> weight_type(c10::ScalarType dtype) {
       return std::nullopt;
   }
 }
-
-std::string state_key(const torch::Tensor& param) { return c10::guts::to_string(param.unsafeGetTensorImpl()); }
 
 void check_param(const torch::Tensor& p, const std::string& where) {
   ZTRAIN_CHECK(p.defined(), where, ": a parameter is an undefined tensor");
@@ -248,7 +247,7 @@ torch::Tensor AdamW::step(LossClosure closure) {
 }
 
 AdamParamState& AdamW::state_for(const torch::Tensor& param) {
-  auto& slot = state_[state_key(param)];
+  auto& slot = state_[ztrain::detail::optimizer_state_key(param)];
   if (!slot) {
     AdamParamState fresh;
     const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32);
@@ -318,13 +317,13 @@ void AdamW::update(const torch::Tensor& param, const torch::Tensor& gradient, co
 
 AdamParamState* AdamW::state_of(const torch::Tensor& param) {
   sync();
-  const auto it = state_.find(state_key(param));
+  const auto it = state_.find(ztrain::detail::optimizer_state_key(param));
   return it == state_.end() ? nullptr : &static_cast<AdamStateEntry&>(*it->second).state;
 }
 
 const AdamParamState* AdamW::state_of(const torch::Tensor& param) const {
   sync();
-  const auto it = state_.find(state_key(param));
+  const auto it = state_.find(ztrain::detail::optimizer_state_key(param));
   return it == state_.end() ? nullptr : &static_cast<const AdamStateEntry&>(*it->second).state;
 }
 
@@ -338,7 +337,7 @@ void AdamW::set_state(const torch::Tensor& param, AdamParamState state) {
   ZTRAIN_CHECK(found, "set_state: the tensor is not a parameter of this optimizer");
   check_param(param, "set_state");
   check_state(state, param, "set_state");
-  state_[state_key(param)] = std::make_unique<AdamStateEntry>(std::move(state));
+  state_[ztrain::detail::optimizer_state_key(param)] = std::make_unique<AdamStateEntry>(std::move(state));
 }
 
 void AdamW::save(torch::serialize::OutputArchive& archive) const {

@@ -2,6 +2,7 @@
 
 #include <ztrain/error.h>
 #include <ztrain/optim/adam.h>
+#include <ztrain/torch_compat.h>
 
 namespace ztrain::optim {
 
@@ -10,10 +11,8 @@ namespace {
 constexpr const char* kSupported =
     "ztrain AdamW/Adam and torch::optim Adam, AdamW, SGD, RMSprop and Adagrad are supported";
 
-std::string key_of(const torch::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
-
 const torch::optim::OptimizerParamState* torch_state(const torch::optim::Optimizer& opt, const torch::Tensor& p) {
-  auto it = opt.state().find(key_of(p));
+  auto it = opt.state().find(ztrain::detail::optimizer_state_key(p));
   return it == opt.state().end() ? nullptr : it->second.get();
 }
 
@@ -95,7 +94,7 @@ void set_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param, P
   } else {
     ZTRAIN_CHECK(false, "optimizer state: this optimizer is not supported (", kSupported, ")");
   }
-  optimizer.state()[key_of(param)] = std::move(state);
+  optimizer.state()[ztrain::detail::optimizer_state_key(param)] = std::move(state);
 }
 
 int64_t state_bytes(torch::optim::Optimizer& optimizer) {

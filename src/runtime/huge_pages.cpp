@@ -1,6 +1,7 @@
 #include "huge_pages.h"
 
 #include <ztrain/error.h>
+#include <ztrain/torch_compat.h>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -33,11 +34,11 @@ namespace {
 
 void free_huge(void* p) { std::free(p); }
 
-class HugePageAllocator final : public c10::Allocator {
+class HugePageAllocator final : public HostAllocator {
  public:
   explicit HugePageAllocator(c10::Allocator* small) : small_(small) {}
 
-  c10::DataPtr allocate(size_t nbytes) const override {
+  c10::DataPtr allocate_bytes(size_t nbytes) const override {
     if (nbytes < kHugePageBytes) return small_->allocate(nbytes);
     const size_t rounded = (nbytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
     void* p = nullptr;

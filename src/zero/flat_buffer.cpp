@@ -1,6 +1,7 @@
 #include "flat_buffer.h"
 
 #include <ztrain/comm/host_shared.h>
+#include <ztrain/torch_compat.h>
 
 #include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
@@ -11,10 +12,10 @@ namespace {
 
 // Hands allocations to another allocator. Its only purpose is its identity: a storage made
 // through it is a flat buffer, whatever memory it holds, and its refills come from here too.
-class FlatBufferAllocator final : public c10::Allocator {
+class FlatBufferAllocator final : public HostAllocator {
  public:
   explicit FlatBufferAllocator(c10::Allocator* inner) : inner_(inner) {}
-  c10::DataPtr allocate(size_t nbytes) const override { return inner().allocate(nbytes); }
+  c10::DataPtr allocate_bytes(size_t nbytes) const override { return inner().allocate(nbytes); }
   c10::DeleterFnPtr raw_deleter() const override { return inner().raw_deleter(); }
 
  private:
