@@ -4,6 +4,8 @@
 #include "../zero/zero_model.h"
 #include "test_util.h"
 
+#include <ztrain/torch_compat.h>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -180,8 +182,7 @@ std::vector<torch::Tensor> moments(torch::optim::Optimizer& opt) {
         out.push_back(ours->state_of(p)->exp_avg);
         out.push_back(ours->state_of(p)->exp_avg_sq);
       } else {
-        const auto key = c10::guts::to_string(p.unsafeGetTensorImpl());
-        auto& s = static_cast<torch::optim::AdamWParamState&>(*opt.state().at(key));
+        auto& s = static_cast<torch::optim::AdamWParamState&>(*opt.state().at(ztrain::detail::optimizer_state_key(p)));
         out.push_back(s.exp_avg());
         out.push_back(s.exp_avg_sq());
       }
