@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """The peer of bench/gpt_bench: the same GPT trained with PyTorch's own data parallelism.
 
-    peer_torch.py --system ddp|ddp_zero --ranks N --preset small --dtype fp32|bf16 \
+    peer_torch.py --system ddp|ddp_zero|fsdp2 --ranks N --preset small --dtype fp32|bf16 \
         --batch 4 --seq 128 --steps 10 --warmup 3 --data data/tinyshakespeare.txt [--json FILE]
     peer_torch.py --check        # the model against tests/models/gpt_reference.py, then exit
 
@@ -10,9 +10,14 @@ set; torchrun is not used) that train over gloo:
   ddp        DistributedDataParallel (default buckets), torch.optim.AdamW
   ddp_zero   DistributedDataParallel and ZeroRedundancyOptimizer over torch.optim.AdamW (each rank
              keeps and updates a shard of the optimizer state, then broadcasts its parameters)
-bf16 is PyTorch's own mixed precision on the CPU: fp32 parameters, gradients and optimizer, the
-forward and loss under torch.autocast("cpu", bfloat16) (matmuls in bf16). ztrain's bf16 keeps
-bf16 parameters and gradients with fp32 masters in the optimizer: each side's usual recipe.
+  fsdp2      FSDP2 (torch.distributed.fsdp.fully_shard, PyTorch 2.x): each transformer block is a
+             unit, the embeddings and final LayerNorm the root unit; parameters, gradients and
+             optimizer state sharded (ZeRO-3), torch.optim.AdamW on the shards
+bf16: for ddp and ddp_zero PyTorch's autocast on the CPU (fp32 parameters, gradients and
+optimizer, the forward and loss under torch.autocast("cpu", bfloat16)); for fsdp2 its own mixed
+precision (MixedPrecisionPolicy: fp32 shards, parameters gathered and computed in bf16, gradients
+reduced in bf16). ztrain's bf16 keeps bf16 parameters and gradients with fp32 masters in the
+optimizer: each side's usual recipe.
 
 The model is ztrain::models::Gpt's architecture (GPT-2: learned positions, pre-LayerNorm, causal
 attention, tanh GELU, tied head; Conv1D weights [in, out]) under the same parameter names; its
@@ -169,7 +174,22 @@ def batches(path, seq, batch, rank, ranks):
 
 
 def state_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    """Bytes this rank holds: a sharded tensor (DTensor) counts its local shard."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if torch.is_tensor(t))
+
+
+def wrap(a, model, n):
+    """The model as the system trains it: DDP, or FSDP2 units (each block, then the root)."""
+    if a.system != "fsdp2":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (n,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if a.dtype == "bf16" else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def train(a):
@@ -184,7 +204,7 @@ def train(a):
     seq = a.seq or c["context"]
     model = Gpt(c)
     params = sum(p.numel() for p in model.parameters())
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = wrap(a, model, n)
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     if a.system == "ddp_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -194,7 +214,7 @@ def train(a):
         opt = torch.optim.AdamW(ddp.parameters(), **hyper)
         inner = opt
     at = batches(a.data, seq, a.batch, rank, n)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16" and a.system != "fsdp2")
 
     step_s, phases, losses, held = [], {"forward": [], "backward": [], "optimizer": []}, [], {}
     for step in range(a.warmup + a.steps):
@@ -288,7 +308,7 @@ def launch(a, argv):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--system", choices=["ddp", "ddp_zero"], default="ddp")
+    p.add_argument("--system", choices=["ddp", "ddp_zero", "fsdp2"], default="ddp")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")

@@ -38,6 +38,7 @@
 // layers in the single-process run.
 #include <ztrain/ztrain.h>
 #include <ztrain/pipe/pipe.h>
+#include <ztrain/torch_compat.h>
 
 #include <CLI/CLI.hpp>
 #include <c10/core/CPUAllocator.h>
@@ -59,11 +60,11 @@ using Clock = std::chrono::steady_clock;
 
 // ---- a CPU allocator that counts live bytes ----------------------------------------------------
 
-class CountingAllocator final : public c10::Allocator {
+class CountingAllocator final : public ztrain::detail::HostAllocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
 
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate_bytes(size_t n) const override {
     auto inner = base_->allocate(n);
     void* data = inner.get();
     const auto device = inner.device();

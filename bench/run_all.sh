@@ -3,8 +3,8 @@
 #
 # Regenerates the section "Against peers and limits" of docs/benchmarks.md (between the markers
 # <!-- run_all:begin --> and <!-- run_all:end -->) and its plots docs/img/bench_*.png: GPT
-# throughput of ztrain (ZeRO levels 0-3, fp32 and bf16) beside PyTorch's DDP and DDP with
-# ZeroRedundancyOptimizer and plain libtorch, model-state memory against the ZeRO formulas, bytes
+# throughput of ztrain (ZeRO levels 0-3, fp32 and bf16) beside PyTorch's DDP, DDP with
+# ZeroRedundancyOptimizer and FSDP2 (fully_shard), and plain libtorch, model-state memory against the ZeRO formulas, bytes
 # sent against theory, model FLOP/s against the measured matmul peak, and growth with model size
 # and rank count. All of it in one session on this machine, one intra-op thread per rank.
 #
@@ -36,7 +36,7 @@ while (($#)); do
 done
 [[ $docs == auto ]] && { ((quick)) && docs=no || docs=yes; }
 results=${results:-$build/bench-results}
-python=/usr/bin/python3
+python=${ZTRAIN_PYTHON:-$root/.venv/bin/python}  # scripts/setup.sh makes it
 data=$root/data/tinyshakespeare.txt
 
 fail() { echo "run_all: $*" >&2; exit 1; }
@@ -44,8 +44,8 @@ fail() { echo "run_all: $*" >&2; exit 1; }
 # ---- what the run needs ----------------------------------------------------------------------
 command -v mpirun >/dev/null || fail "mpirun not found; run scripts/setup.sh"
 [[ -x $python ]] || fail "$python not found; run scripts/setup.sh"
-$python -c 'import torch, torch.distributed' 2>/dev/null || fail "PyTorch missing for $python; run scripts/setup.sh (python3-torch)"
-$python -c 'import matplotlib' 2>/dev/null || fail "matplotlib missing for $python; run scripts/setup.sh (python3-matplotlib)"
+$python -c 'import torch, torch.distributed' 2>/dev/null || fail "PyTorch missing for $python; run scripts/setup.sh"
+$python -c 'import matplotlib' 2>/dev/null || fail "matplotlib missing for $python; run scripts/setup.sh"
 [[ -f $data ]] || fail "$data not found"
 if [[ ! -f $build/CMakeCache.txt ]]; then
   generator=()
@@ -123,6 +123,7 @@ for size in "tiny --batch 8 --seq 64" "small --batch 8 --seq 128"; do
       for level in 1 2 3; do ztrain "$np" peer "${common[@]}" --level "$level"; done
       peer "$np" peer "${common[@]}" --system ddp
       peer "$np" peer "${common[@]}" --system ddp_zero
+      peer "$np" peer "${common[@]}" --system fsdp2
     done
   done
 done

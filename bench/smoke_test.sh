@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Usage: bench/smoke_test.sh GPT_BENCH MPIEXEC DATA WORKDIR
+# Usage: bench/smoke_test.sh GPT_BENCH MPIEXEC DATA WORKDIR PYTHON
 #
 # The run_all tooling in seconds (a CTest, not a benchmark): gpt_bench on 2 ranks for one step
-# of the small GPT at ZeRO levels 0 and 3, the PyTorch peer's model against gpt_reference.py and
-# one peer step, then report.py on the results. Fails unless the bytes sent per step equal the
+# of the small GPT at ZeRO levels 0 and 3, the PyTorch peer's model against gpt_reference.py, one
+# DDP step on 1 rank and one FSDP2 step on 2, then report.py on the results. Fails unless the bytes sent per step equal the
 # theory (ring collectives: 2(N-1)/N or 3(N-1)/N of the parameter bytes) and the model state
-# equals ztrain's formula, and the section and plots are written.
+# equals ztrain's formula, FSDP2 holds a shard of the parameters, and the section and plots are
+# written.
 set -euo pipefail
-gpt=$1 mpiexec=$2 data=$3 work=$4
+gpt=$1 mpiexec=$2 data=$3 work=$4 python=$5
 here=$(cd "$(dirname "$0")" && pwd)
-python=/usr/bin/python3
 rm -rf "$work"
 mkdir -p "$work"
 for level in 0 3; do
@@ -19,11 +19,16 @@ done
 "$python" "$here/peer_torch.py" --check
 "$python" "$here/peer_torch.py" --ranks 1 --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 --data "$data" \
   --json "$work/results.jsonl" --tag peer >/dev/null
+"$python" "$here/peer_torch.py" --system fsdp2 --ranks 2 --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 \
+  --data "$data" --json "$work/results.jsonl" --tag peer >/dev/null
 "$python" - "$work/results.jsonl" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 ours = [r for r in rows if r["system"] == "ztrain"]
-assert len(ours) == 2 and len(rows) == 3, f"expected 2 gpt_bench and 1 peer result, got {len(rows)}"
+assert len(ours) == 2 and len(rows) == 4, f"expected 2 gpt_bench and 2 peer results, got {len(rows)}"
+fsdp2 = next(r for r in rows if r["system"] == "fsdp2")
+full = fsdp2["params"] * 4
+assert fsdp2["memory"]["parameter"] <= 0.6 * full, f"FSDP2 holds {fsdp2['memory']['parameter']} of {full} bytes"
 for r in ours:
     n, k = r["ranks"], 3 if r["level"] == 3 else 2
     theory = k * (n - 1) / n * r["params"] * 4

@@ -1,7 +1,8 @@
 #pragma once
-/// What differs between the libtorch versions ztrain builds against, in one place: Debian's 1.13
-/// and PyTorch 2.x. Each difference is detected from libtorch's own declarations, not from
-/// version numbers, so releases in between work as their headers say.
+/// What differs between libtorch versions, in one place. ztrain builds against 2.x (tested: 2.11);
+/// the allocator interface and the optimizer-state key changed within and before it (1.13 is what
+/// the older forms were written against). Each difference is detected from libtorch's own
+/// declarations, not from version numbers, so releases work as their headers say.
 
 #include <c10/core/Allocator.h>
 #include <torch/optim/optimizer.h>

@@ -1,13 +1,14 @@
+// GCC 12 reports its own AVX-512 intrinsics (`__m512 __Y = __Y;` placeholders) as possibly
+// uninitialised once they are inlined; the warning is about the header, not this code. It is
+// decided by the state at the header's lines, and libtorch 2.x's headers include <immintrin.h>
+// too, so it is off before the first include.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include "adam_kernels.h"
 
 #include <ztrain/error.h>
 
-// GCC 12 reports its own AVX-512 intrinsics (`__m512 __Y = __Y;` placeholders) as possibly
-// uninitialised once they are inlined; the warning is about the header, not this code.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#pragma GCC diagnostic pop
 
 #include <cmath>
 #include <cstring>

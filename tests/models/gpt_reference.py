@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """An independent GPT-2 (Hugging Face GPT2LMHeadModel semantics) in PyTorch, for gpt_test.cpp.
 
     gpt_reference.py loss  FILE TOKENS N_HEAD   prints the mean next-token loss of TOKENS

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Golden trajectories of torch.optim.AdamW and torch.optim.Adam for adam_test.cpp.
 
-    /usr/bin/python3 tests/optim/golden_adam.py > /tmp/golden.inc
+    .venv/bin/python tests/optim/golden_adam.py > /tmp/golden.inc
 
 prints C++ arrays to paste into adam_test.cpp (between the "golden values" markers).
 

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Golden learning rates from torch.optim.lr_scheduler for lr_scheduler_test.cpp.
 
-    /usr/bin/python3 tests/optim/golden_lr.py
+    .venv/bin/python tests/optim/golden_lr.py
 
 prints C++ arrays to paste into lr_scheduler_test.cpp (kGolden*). Entry i is the lr in effect
 for step i, i.e. after i calls of scheduler.step(); the ztrain equivalent is lr_at(i).

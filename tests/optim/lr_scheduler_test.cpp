@@ -39,8 +39,8 @@ std::vector<std::pair<std::string, Factory>> all_schedules() {
 
 }  // namespace
 
-// ---- golden values from PyTorch: /usr/bin/python3 tests/optim/golden_lr.py ----------------------
-// golden_lr.py, torch 1.13.0a0: peak_lr 0.001, min_lr 0.0001, warmup_start_lr 0.0001, warmup_steps 5, total_steps 20, gamma 0.9
+// ---- golden values from PyTorch: .venv/bin/python tests/optim/golden_lr.py ---------------------
+// golden_lr.py, torch 2.11.0+cu130 (and 1.13.0a0, the same values): peak_lr 0.001, min_lr 0.0001, warmup_start_lr 0.0001, warmup_steps 5, total_steps 20, gamma 0.9
 // kGoldenLinearNoWarmup: steps 0..20
 constexpr double kGoldenLinearNoWarmup[] = {
     0.001, 0.000955, 0.00091,
