@@ -6,7 +6,9 @@
 # turns configuration by configuration, ROUNDS times (default 3), so that drift in the machine's
 # speed slows both alike. Prints each configuration's median step time over its runs for A and
 # B, the spread (lowest and highest run), and B/A in tokens/s. DTYPES and LEVELS (environment)
-# narrow the configurations, e.g. DTYPES=bf16 LEVELS="0 3".
+# narrow the configurations, e.g. DTYPES=bf16 LEVELS="0 3". PROFILE=fp32|bf16 also profiles one
+# step of each build at 1 rank, level 0, in that dtype (libtorch's profiler) and prints the
+# operators' self times side by side.
 set -euo pipefail
 a=$1 b=$2
 rounds=${3:-3}
@@ -15,7 +17,8 @@ preset=${5:-small}
 root=$(cd "$(dirname "$0")/.." && pwd)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 results=$(mktemp)
-trap 'rm -f "$results"' EXIT
+profiles=$(mktemp -d)
+trap 'rm -rf "$results" "$profiles"' EXIT
 for bin in "$a/bench/gpt_bench" "$b/bench/gpt_bench"; do
   [[ -x $bin ]] || { echo "ab_gpt: no $bin (build with ZTRAIN_BUILD_BENCH=ON)" >&2; exit 1; }
 done
@@ -49,4 +52,24 @@ for (dtype, level), sides in sorted(runs.items()):
     same = {l for _, l in sides["A"]} == {l for _, l in sides["B"]}
     fmt = lambda v: f"{statistics.median(v):.4f} ({min(v):.4f}-{max(v):.4f})"
     print(f"{dtype:6} {level:>5} {fmt(a):>24} {fmt(b):>24} {statistics.median(a) / statistics.median(b):>13.3f}  {same}")
+EOF
+[[ -n ${PROFILE:-} ]] || exit 0
+for side in A B; do
+  build=$a
+  [[ $side == B ]] && build=$b
+  "$build/bench/gpt_bench" --preset "$preset" --dtype "$PROFILE" --steps 3 --warmup "${WARMUP:-3}" \
+    --data "$root/data/tinyshakespeare.txt" --profile "$profiles/$side.json" >/dev/null
+done
+echo
+echo "profile of one step, 1 rank, level 0, $PROFILE: self time (ms) of the operators that take the most"
+python3 - "$profiles" "$root/bench" <<'EOF'
+import sys
+sys.path.insert(0, sys.argv[2])
+from report import self_times
+(a, ta), (b, tb) = (self_times(f"{sys.argv[1]}/{side}.json") for side in "AB")
+top = sorted(set(a) | set(b), key=lambda op: -max(a.get(op, 0), b.get(op, 0)))[:12]
+print(f"{'operator':32} {'A ms':>8} {'B ms':>8}")
+for op in top:
+    print(f"{op:32} {a.get(op, 0):8.1f} {b.get(op, 0):8.1f}")
+print(f"{'the step (profiled)':32} {ta:8.1f} {tb:8.1f}")
 EOF

@@ -59,13 +59,13 @@ cmake --build "$build" -j "$(nproc)" --target gpt_bench >"$build_log" 2>&1 ||
   { tail -n 40 "$build_log" >&2; fail "building gpt_bench failed (cmake --build $build --target gpt_bench)"; }
 "$python" "$root/bench/peer_torch.py" --check || fail "the PyTorch peer does not compute tests/models/gpt_reference.py's loss"
 
-# Run a copy of the binary and its library, so that a rebuild of the build directory during the
+# Run a copy of the binary and its libraries, so that a rebuild of the build directory during the
 # run cannot change (or break) what is measured.
 rm -rf "$results"
 mkdir -p "$results/logs" "$results/bin"
 cp "$build/bench/gpt_bench" "$results/bin/"
-cp -L "$build/src/libztrain.so.0.1" "$results/bin/" 2>/dev/null ||
-  cp -L "$(ldd "$build/bench/gpt_bench" | awk '/libztrain/ {print $3}')" "$results/bin/"
+ldd "$build/bench/gpt_bench" | awk '/libztrain/ {print $3}' | xargs -r cp -L -t "$results/bin/"
+ls "$results/bin/"libztrain_*.so.* >/dev/null || fail "ztrain's libraries not found next to gpt_bench (ldd)"
 export LD_LIBRARY_PATH=$results/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 gpt=$results/bin/gpt_bench
 ldd "$gpt" | grep -q "$results/bin/libztrain" || fail "the copy of gpt_bench does not load the copied libztrain"

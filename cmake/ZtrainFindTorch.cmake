@@ -22,9 +22,19 @@ endif()
 
 # TorchConfig looks for its libraries in CMAKE_PREFIX_PATH and the system's directories before its
 # own: another libtorch there (Debian's libtorch-dev) would be linked with these headers. So the
-# installation a Torch_DIR names goes first in CMAKE_PREFIX_PATH while it is looked for, and the
-# library found is checked below.
+# installation is located first (Torch_DIR, or a TorchConfig.cmake under a CMAKE_PREFIX_PATH entry
+# in either layout: PyTorch's cmake_prefix_path or a libtorch archive's root), goes first in
+# CMAKE_PREFIX_PATH while it is loaded, and the library found is checked below.
 set(ztrain_user_prefix_path "${CMAKE_PREFIX_PATH}")
+if(NOT Torch_DIR)
+  foreach(prefix IN LISTS CMAKE_PREFIX_PATH)
+    foreach(dir ${prefix}/Torch ${prefix}/share/cmake/Torch)
+      if(NOT Torch_DIR AND EXISTS ${dir}/TorchConfig.cmake)
+        set(Torch_DIR ${dir} CACHE PATH "libtorch's CMake package" FORCE)
+      endif()
+    endforeach()
+  endforeach()
+endif()
 macro(ztrain_find_torch_in torch_dir)
   get_filename_component(ztrain_torch_root ${torch_dir}/../../.. ABSOLUTE)
   set(CMAKE_PREFIX_PATH ${ztrain_torch_root} ${ztrain_user_prefix_path})

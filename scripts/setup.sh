@@ -68,8 +68,9 @@ if [[ $(installed_version) != "$torch_version"* ]]; then
   echo "setup: installing PyTorch $torch_version into $venv"
   "${pip[@]}" "${python_packages[@]}"
   have_toolkit=1
+  loader_cache=$("$(command -v ldconfig || echo /sbin/ldconfig)" -p)
   for lib in "${toolkit_libs[@]}"; do
-    ldconfig -p | grep -q "$lib" || { have_toolkit=0; break; }
+    grep -qF "$lib" <<<"$loader_cache" || { have_toolkit=0; break; }
   done
   if ((have_toolkit)); then
     "${pip[@]}" --no-deps "torch==$torch_version" "${torch_cuda_extras[@]}"
