@@ -15,7 +15,7 @@
 #   --docs          write the page even with --quick
 #   --no-docs       measure only (the page can be written later with bench/report.py)
 #
-# Takes about 10-15 minutes on the 2-core development machine when it is otherwise idle.
+# Takes about 6 minutes on the 2-core development machine when it is otherwise idle.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
