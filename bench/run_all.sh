@@ -4,9 +4,10 @@
 # Regenerates the section "Against peers and limits" of docs/benchmarks.md (between the markers
 # <!-- run_all:begin --> and <!-- run_all:end -->) and its plots docs/img/bench_*.png: GPT
 # throughput of ztrain (ZeRO levels 0-3, fp32 and bf16) beside PyTorch's DDP, DDP with
-# ZeroRedundancyOptimizer and FSDP2 (fully_shard), and plain libtorch, model-state memory against the ZeRO formulas, bytes
-# sent against theory, model FLOP/s against the measured matmul peak, and growth with model size
-# and rank count. All of it in one session on this machine, one intra-op thread per rank.
+# ZeroRedundancyOptimizer and FSDP2 (fully_shard), and plain libtorch, model-state memory against
+# the ZeRO formulas, bytes sent against theory, model FLOP/s against the measured matmul peak, and
+# growth with model size and rank count. All of it in one session on this machine, one intra-op
+# thread per rank.
 #
 #   --build DIR     ztrain's build directory (default build/; configured and built if needed)
 #   --results DIR   where the JSON lines, logs and profiles go (default build/bench-results)
@@ -30,7 +31,7 @@ while (($#)); do
     --quick) quick=1; shift ;;
     --docs) docs=yes; shift ;;
     --no-docs) docs=no; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "run_all: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

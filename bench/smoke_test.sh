@@ -3,10 +3,10 @@
 #
 # The run_all tooling in seconds (a CTest, not a benchmark): gpt_bench on 2 ranks for one step
 # of the small GPT at ZeRO levels 0 and 3, the PyTorch peer's model against gpt_reference.py, one
-# DDP step on 1 rank and one FSDP2 step on 2, then report.py on the results. Fails unless the bytes sent per step equal the
-# theory (ring collectives: 2(N-1)/N or 3(N-1)/N of the parameter bytes) and the model state
-# equals ztrain's formula, FSDP2 holds a shard of the parameters, and the section and plots are
-# written.
+# DDP step on 1 rank and one FSDP2 step on 2, then report.py on the results. Fails unless the
+# bytes sent per step equal the theory (ring collectives: 2(N-1)/N or 3(N-1)/N of the parameter
+# bytes) and the model state equals ztrain's formula, FSDP2 holds a shard of the parameters, and
+# the section and plots are written.
 set -euo pipefail
 gpt=$1 mpiexec=$2 data=$3 work=$4 python=$5
 here=$(cd "$(dirname "$0")" && pwd)

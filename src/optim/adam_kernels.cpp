@@ -1,4 +1,4 @@
-// GCC 12 reports its own AVX-512 intrinsics (`__m512 __Y = __Y;` placeholders) as possibly
+// GCC 12 reports its own AVX-512 intrinsics (`__m512 __Y = __Y;` self-initialisations) as possibly
 // uninitialised once they are inlined; the warning is about the header, not this code. It is
 // decided by the state at the header's lines, and libtorch 2.x's headers include <immintrin.h>
 // too, so it is off before the first include.
