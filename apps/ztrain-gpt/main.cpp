@@ -67,10 +67,22 @@ struct TrainArgs {
   std::optional<int64_t> micro_batches;  // with pp: per step (default 2 × pp)
   int chunks = 2;                        // per rank, with the interleaved schedule
   bool offload = false;
+  std::optional<std::string> device;  // not set: ZTRAIN_DEVICE, else the CPU
 };
 
 const std::vector<std::string> kLrSchedules{"cosine", "linear", "wsd", "constant"};
 const std::vector<std::string> kPipeSchedules{"gpipe", "1f1b", "interleaved"};
+
+void add_device_option(CLI::App* app, std::optional<std::string>& device) {
+  app->add_option("--device", device,
+                  "cpu, cuda (one device per rank on each host) or cuda:N (default: ZTRAIN_DEVICE, else cpu)");
+}
+
+/// init_distributed on --device when given.
+zt::Runtime& start(zt::InitOptions options, const std::optional<std::string>& device) {
+  if (device) options.device = zt::parse_device(*device, "--device");
+  return zt::init_distributed(options);
+}
 
 void add_model_options(CLI::App* app, ModelArgs& m) {
   app->add_option("--preset", m.preset, "model preset: tiny, small, medium, gpt2")->capture_default_str();
@@ -206,7 +218,7 @@ double evaluate(torch::nn::Module& model, const std::function<torch::Tensor(cons
   double sum = 0;
   int64_t count = 0;
   for (const auto& b : zt::gpt_app::validation_batches(corpus, seq, batch, max_batches)) {
-    sum += loss(b).item<double>() * b.size(0);
+    sum += loss(b.to(zt::runtime().device())).item<double>() * b.size(0);
     count += b.size(0);
   }
   model.train();
@@ -257,7 +269,7 @@ int train(TrainArgs a) {
   ZTRAIN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
   ZTRAIN_CHECK(a.pp > 1 || !a.micro_batches, "--micro-batches needs --pp > 1 (use --grad-accum without pipeline stages)");
   ZTRAIN_CHECK(a.pp == 1 || a.grad_accum == 1, "with --pp, a step's micro-batches are --micro-batches, not --grad-accum");
-  auto& rt = zt::init_distributed({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp});
+  auto& rt = start({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp}, a.device);
   const int dp = rt.dp().size();
   const auto config = make_config(a.model, a.tp);
   a.seq = a.seq.value_or(config.context);
@@ -298,7 +310,7 @@ int train(TrainArgs a) {
   zt::print_rank("ztrain-gpt: ", config.num_parameters() / 1e6, " M parameters (", config.n_layer, " x ", config.d_model,
                  ", ", config.n_head, " heads, context ", config.context, ", ", dtype_name(config.dtype), "), ZeRO level ",
                  a.model.zero_level, a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
-                 rt.threads(), " thread(s); ", tokens_per_step, " tokens per step; data ", corpus.source(), " (",
+                 rt.threads(), " thread(s) on ", rt.device(), "; ", tokens_per_step, " tokens per step; data ", corpus.source(), " (",
                  corpus.train_size(), " train / ", corpus.validation_size(), " validation bytes)");
 
   std::optional<zt::gpt_app::MetricsLog> metrics;
@@ -313,7 +325,7 @@ int train(TrainArgs a) {
     const auto t0 = Clock::now();
     mgr.zero_grad();
     std::vector<torch::Tensor> batches;
-    for (int64_t micro = 0; micro < micro_batches; ++micro) batches.push_back(sampler.next(corpus));
+    for (int64_t micro = 0; micro < micro_batches; ++micro) batches.push_back(sampler.next(corpus).to(rt.device()));
     const double loss = trainee.step(batches, mgr);
     const double lr = mgr.current_lr();
     const double norm = a.grad_clip > 0 ? mgr.clip_grad_norm(a.grad_clip) : mgr.grad_norm();
@@ -346,8 +358,8 @@ int train(TrainArgs a) {
 // ---- eval, score, sample, plot -------------------------------------------------------------------
 
 int eval(const std::string& model_path, const std::string& data, double validation_fraction, int64_t seq,
-         int64_t batch, int64_t max_batches) {
-  zt::init_distributed();
+         int64_t batch, int64_t max_batches, const std::optional<std::string>& device) {
+  start({}, device);
   auto model = load_model(model_path);
   const auto corpus = ByteCorpus::load(data, validation_fraction);
   zt::print_rank("val_loss=", evaluate(model, corpus, std::min(seq, model->config().context), batch, max_batches));
@@ -357,14 +369,15 @@ int eval(const std::string& model_path, const std::string& data, double validati
 /// Mean next-byte cross-entropy (nats) of a file's bytes as one sequence: windows of
 /// context + 1 bytes overlapping by one, so every byte after the first is predicted once, from
 /// the preceding bytes of its window.
-int score(const std::string& model_path, const std::string& input) {
-  zt::init_distributed();
+int score(const std::string& model_path, const std::string& input, const std::optional<std::string>& device) {
+  auto& rt = start({}, device);
   auto model = load_model(model_path);
   std::ifstream in(input, std::ios::binary);
   ZTRAIN_CHECK(in, "score: cannot read '", input, "'");
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   ZTRAIN_CHECK(bytes.size() >= 2, "score: '", input, "' needs at least 2 bytes, it has ", bytes.size());
-  auto tokens = torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8).to(torch::kLong);
+  auto tokens =
+      torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8).to(rt.device(), torch::kLong);
   const int64_t window = model->config().context;
   torch::NoGradGuard no_grad;
   double total = 0;
@@ -380,8 +393,8 @@ int score(const std::string& model_path, const std::string& input) {
 }
 
 int sample(const std::string& model_path, const std::string& prompt, int64_t n, double temperature, int64_t top_k,
-           uint64_t seed) {
-  zt::init_distributed();
+           uint64_t seed, const std::optional<std::string>& device) {
+  auto& rt = start({}, device);
   auto model = load_model(model_path);
   ZTRAIN_CHECK(temperature > 0, "--temperature must be > 0");
   auto gen = at::detail::createCPUGenerator(seed);
@@ -392,8 +405,8 @@ int sample(const std::string& model_path, const std::string& prompt, int64_t n, 
                                      ? text.size() - model->config().context
                                      : 0);
     auto ids = torch::from_blob(const_cast<char*>(ctx.data()), {1, static_cast<int64_t>(ctx.size())}, torch::kUInt8)
-                   .to(torch::kLong);
-    auto logits = model(ids).select(1, -1).squeeze(0).to(torch::kFloat32) / temperature;
+                   .to(rt.device(), torch::kLong);
+    auto logits = model(ids).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat32) / temperature;
     if (top_k > 0 && top_k < logits.size(0)) {
       auto kth = std::get<0>(logits.topk(top_k)).min();
       logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
@@ -461,11 +474,13 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--micro-batches", t.micro_batches,
                         "with --pp: micro-batches of --batch sequences per step (default 2 x pp)");
   train_cmd->add_option("--chunks", t.chunks, "with --schedule interleaved: model chunks per rank")->capture_default_str();
+  add_device_option(train_cmd, t.device);
 
   std::string model_path, data, input, prompt = "\n", metrics, out = ".";
   double validation_fraction = 0.05, temperature = 0.8;
   int64_t seq = 128, batch = 8, eval_batches = 8, tokens = 200, top_k = 40;
   uint64_t seed = 1;
+  std::optional<std::string> device;
   auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model file or a checkpoint");
   eval_cmd->add_option("--model", model_path, "model.safetensors written by train, or a checkpoint directory")
       ->required();
@@ -474,9 +489,11 @@ int main(int argc, char** argv) {
   eval_cmd->add_option("--seq", seq)->capture_default_str();
   eval_cmd->add_option("--batch", batch)->capture_default_str();
   eval_cmd->add_option("--eval-batches", eval_batches)->capture_default_str();
+  add_device_option(eval_cmd, device);
   auto* score_cmd = app.add_subcommand("score", "mean next-byte cross-entropy (nats) of a file: prints loss=<value>");
   score_cmd->add_option("--model", model_path)->required();
   score_cmd->add_option("--input", input, "the text to score")->required();
+  add_device_option(score_cmd, device);
   auto* sample_cmd = app.add_subcommand("sample", "generate text from a prompt");
   sample_cmd->add_option("--model", model_path)->required();
   sample_cmd->add_option("--prompt", prompt)->capture_default_str();
@@ -484,6 +501,7 @@ int main(int argc, char** argv) {
   sample_cmd->add_option("--temperature", temperature)->capture_default_str();
   sample_cmd->add_option("--top-k", top_k, "sample among the k likeliest bytes (0: all)")->capture_default_str();
   sample_cmd->add_option("--seed", seed)->capture_default_str();
+  add_device_option(sample_cmd, device);
   auto* plot_cmd = app.add_subcommand("plot", "PNG plots of a metrics.jsonl: loss.png and throughput.png");
   plot_cmd->add_option("--metrics", metrics)->required();
   plot_cmd->add_option("--out", out, "output directory")->capture_default_str();
@@ -495,9 +513,9 @@ int main(int argc, char** argv) {
   }
   try {
     if (*train_cmd) return train(t);
-    if (*eval_cmd) return eval(model_path, data, validation_fraction, seq, batch, eval_batches);
-    if (*score_cmd) return score(model_path, input);
-    if (*sample_cmd) return sample(model_path, prompt, tokens, temperature, top_k, seed);
+    if (*eval_cmd) return eval(model_path, data, validation_fraction, seq, batch, eval_batches, device);
+    if (*score_cmd) return score(model_path, input, device);
+    if (*sample_cmd) return sample(model_path, prompt, tokens, temperature, top_k, seed, device);
     if (*plot_cmd) return plot(metrics, out);
   } catch (const std::exception& e) {
     std::cerr << "ztrain-gpt: " << e.what() << std::endl;

@@ -9,8 +9,8 @@
 #include <ztrain/error.h>
 #include <ztrain/runtime/parallel_context.h>
 #include <ztrain/runtime/parameter_record.h>
+#include <ztrain/runtime/rng.h>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
@@ -70,6 +70,13 @@ void write_file_atomically(const fs::path& path, const std::string& text) {
   fsync_path(tmp);
   fs::rename(tmp, path);
   fsync_path(path.parent_path());
+}
+
+/// rng.safetensors' entry for a rank's generator: "rank<r>" for the CPU's (as ever),
+/// "rank<r>.cuda" for a device's.
+std::string generator_entry(size_t rank, const at::Generator& gen) {
+  const auto type = gen.device().type();
+  return type == c10::kCPU ? c10::str("rank", rank) : c10::str("rank", rank, ".", c10::DeviceTypeName(type, true));
 }
 
 std::string step_name(int64_t step) {
@@ -135,7 +142,7 @@ json read_manifest(const fs::path& dir) {
 struct Publication {
   fs::path root, tmp, final_dir;
   int64_t step = 0;
-  std::vector<std::string> rng;  // every rank's generator state (rank 0 only)
+  std::vector<std::pair<std::string, std::string>> rng;  // every rank's generator states, by entry name
   json manifest;                 // all but "files"
   CheckpointOptions options;
 };
@@ -163,10 +170,14 @@ Publication prepare(const std::string& root, int64_t step, const TrainingState& 
   Publication p{.root = root, .tmp = world.broadcast_bytes(tmp_dir, 0),
                 .final_dir = fs::path(root) / step_name(step), .step = step, .options = options};
   save(state.model, (p.tmp / "model.safetensors").string());
-  // Every rank's generator state, written by rank 0.
-  const auto mine = at::detail::getDefaultCPUGenerator().get_state();
-  p.rng = world.all_gather_bytes(
-      std::string_view(reinterpret_cast<const char*>(mine.data_ptr()), static_cast<size_t>(mine.nbytes())));
+  // Every rank's generator states, written by rank 0.
+  const auto gens = rng::default_generators(ctx.device());
+  for (size_t g = 0; g < gens.size(); ++g) {
+    const auto mine = gens[g].get_state();
+    const auto all = world.all_gather_bytes(
+        std::string_view(reinterpret_cast<const char*>(mine.data_ptr()), static_cast<size_t>(mine.nbytes())));
+    for (size_t r = 0; r < all.size(); ++r) p.rng.emplace_back(generator_entry(r, gens[g]), all[r]);
+  }
   const auto& topo = ctx.topology();
   p.manifest = {{"format", "ztrain-checkpoint"},
                 {"version", 1},
@@ -183,10 +194,10 @@ void publish(const Publication& p, Communicator& world) {
   if (p.options.before_publish) p.options.before_publish();
   on_rank0(world, [&] {
     std::vector<std::pair<std::string, torch::Tensor>> rng;
-    for (size_t r = 0; r < p.rng.size(); ++r) {
-      auto t = torch::empty({static_cast<int64_t>(p.rng[r].size())}, torch::kUInt8);
-      std::memcpy(t.data_ptr(), p.rng[r].data(), p.rng[r].size());
-      rng.emplace_back(c10::str("rank", r), t);
+    for (const auto& [name, bytes] : p.rng) {
+      auto t = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kUInt8);
+      std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+      rng.emplace_back(name, t);
     }
     ckpt::save_safetensors((p.tmp / "rng.safetensors").string(), rng);
 
@@ -279,10 +290,14 @@ CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& stat
                       .world_size = manifest.at("world").at("size").get<int>(),
                       .extra_json = manifest.at("extra").dump()};
   if (info.world_size == world.size()) {
-    ckpt::SafetensorsReader rng((fs::path(dir) / "rng.safetensors").string());
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng.read(c10::str("rank", world.rank())));
+    ckpt::SafetensorsReader file((fs::path(dir) / "rng.safetensors").string());
+    for (auto& gen : rng::default_generators(ctx.device())) {
+      // A checkpoint saved on the CPU has no device generator states: those keep their seeds.
+      const auto name = generator_entry(world.rank(), gen);
+      if (!file.contains(name)) continue;
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(file.read(name));
+    }
   }
   return info;
 }

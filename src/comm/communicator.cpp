@@ -197,14 +197,28 @@ void Communicator::set_timeout(std::chrono::milliseconds timeout) {
 
 void Communicator::check_tensor(const torch::Tensor& t, const char* call, const char* what) const {
   ZTRAIN_CHECK(t.defined(), call, ": ", what, " is an undefined tensor");
-  ZTRAIN_CHECK(t.device() == device(), call, ": communicator '", name(), "' (", transport_->backend(),
-               ") moves tensors on ", device(), ", ", what, " is on ", t.device());
+  ZTRAIN_CHECK(t.device() == device() || t.is_cpu() || t.is_cuda(), call, ": communicator '", name(), "' (",
+               transport_->backend(), ") moves tensors on ", device(), " and stages cpu and cuda ones, ", what,
+               " is on ", t.device());
   ZTRAIN_CHECK(t.is_contiguous(), call, ": ", what, " must be contiguous (sizes ", t.sizes(), ", strides ",
                t.strides(), "); pass a contiguous buffer — ztrain never copies silently");
   ZTRAIN_CHECK(supported(t.scalar_type()), call, ": dtype ", t.scalar_type(), " of ", what,
                " is not supported (use float32, float64, bfloat16, float16, int32, int64, uint8 or bool)");
   ZTRAIN_CHECK(t.numel() <= INT_MAX, call, ": ", what, " has ", t.numel(), " elements; one call moves at most ",
                INT_MAX, " elements per rank");
+}
+
+torch::Tensor Communicator::stage(const torch::Tensor& t, bool read) {
+  if (t.device() == device()) return t;
+  stats_.staged_bytes += t.nbytes();
+  // Pinned host memory, so that copies to and from the device run at full speed.
+  auto staged = torch::empty(t.sizes(), t.options().device(device()).pinned_memory(device().is_cpu()));
+  if (read) staged.copy_(t);
+  return staged;
+}
+
+void Communicator::unstage(const torch::Tensor& t, const torch::Tensor& staged) {
+  if (!staged.is_same(t)) t.copy_(staged);
 }
 
 // ---- waiting and errors --------------------------------------------------------------------
@@ -365,8 +379,10 @@ void Communicator::all_reduce(const torch::Tensor& tensor, ReduceOp op) {
   check_op(tensor.scalar_type(), op, kCall);
   begin({kAllReduce, static_cast<int32_t>(tensor.scalar_type()), tensor.numel(), static_cast<int64_t>(op)});
   stats_.all_reduce_bytes += tensor.nbytes();
-  run_all_reduce(tensor.view(-1), op, kCall);
-  if (op == ReduceOp::kAvg && size_ > 1) tensor.div_(size_);
+  const auto flat = stage(tensor, true);
+  run_all_reduce(flat.view(-1), op, kCall);
+  if (op == ReduceOp::kAvg && size_ > 1) flat.div_(size_);
+  unstage(tensor, flat);
 }
 
 void Communicator::all_gather(const torch::Tensor& input, const torch::Tensor& output) {
@@ -375,6 +391,8 @@ void Communicator::all_gather(const torch::Tensor& input, const torch::Tensor& o
   check_tensor(output, kCall, "output");
   ZTRAIN_CHECK(input.scalar_type() == output.scalar_type(), "all_gather: input is ", input.scalar_type(),
                " but output is ", output.scalar_type());
+  ZTRAIN_CHECK(input.device() == output.device(), "all_gather: input is on ", input.device(), " but output on ",
+               output.device());
   ZTRAIN_CHECK(output.numel() == input.numel() * size_, "all_gather: output must hold size() * input.numel() = ",
                size_, " * ", input.numel(), " = ", size_ * input.numel(), " elements, got ", output.numel());
   const char* own = static_cast<const char*>(output.data_ptr()) + rank_ * input.nbytes();
@@ -383,7 +401,10 @@ void Communicator::all_gather(const torch::Tensor& input, const torch::Tensor& o
                "slice of it");
   begin({kAllGather, static_cast<int32_t>(input.scalar_type()), input.numel(), 0});
   stats_.all_gather_bytes += input.nbytes();
-  run_all_gather(input, output, in_place, kCall);
+  const auto staged_output = stage(output, false);
+  const auto staged_input = in_place && staged_output.is_same(output) ? input : stage(input, true);
+  run_all_gather(staged_input, staged_output, in_place && staged_input.is_same(input), kCall);
+  unstage(output, staged_output);
 }
 
 void Communicator::reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op) {
@@ -392,14 +413,18 @@ void Communicator::reduce_scatter(const torch::Tensor& input, const torch::Tenso
   check_tensor(output, kCall, "output");
   ZTRAIN_CHECK(input.scalar_type() == output.scalar_type(), "reduce_scatter: input is ", input.scalar_type(),
                " but output is ", output.scalar_type());
+  ZTRAIN_CHECK(input.device() == output.device(), "reduce_scatter: input is on ", input.device(), " but output on ",
+               output.device());
   ZTRAIN_CHECK(input.numel() == output.numel() * size_, "reduce_scatter: input must hold size() * output.numel() = ",
                size_, " * ", output.numel(), " = ", size_ * output.numel(), " elements, got ", input.numel());
   ZTRAIN_CHECK(!overlaps(input, output), "reduce_scatter: input and output must not overlap");
   check_op(input.scalar_type(), op, kCall);
   begin({kReduceScatter, static_cast<int32_t>(input.scalar_type()), output.numel(), static_cast<int64_t>(op)});
   stats_.reduce_scatter_bytes += input.nbytes();
-  run_reduce_scatter(input, output, op, kCall);
-  if (op == ReduceOp::kAvg && size_ > 1 && output.numel() > 0) output.div_(size_);
+  const auto staged_output = stage(output, false);
+  run_reduce_scatter(stage(input, true), staged_output, op, kCall);
+  if (op == ReduceOp::kAvg && size_ > 1 && output.numel() > 0) staged_output.div_(size_);
+  unstage(output, staged_output);
 }
 
 void Communicator::broadcast(const torch::Tensor& tensor, int root) {
@@ -409,7 +434,9 @@ void Communicator::broadcast(const torch::Tensor& tensor, int root) {
                "' (size ", size_, ")");
   begin({kBroadcast, static_cast<int32_t>(tensor.scalar_type()), tensor.numel(), root});
   if (rank_ == root) stats_.broadcast_bytes += tensor.nbytes();
-  run_broadcast(tensor, root, kCall);
+  const auto staged = stage(tensor, rank_ == root);
+  run_broadcast(staged, root, kCall);
+  unstage(tensor, staged);
 }
 
 void Communicator::check_point_to_point(const torch::Tensor& tensor, const char* call, const char* role, int peer,
@@ -425,13 +452,16 @@ void Communicator::send(const torch::Tensor& tensor, int dst, int tag) {
   constexpr const char* kCall = "send";
   check_point_to_point(tensor, kCall, "destination", dst, tag);
   stats_.send_bytes += tensor.nbytes();
-  wait(guarded(kCall, dst, [&] { return transport_->send(tensor, dst, tag); }), kCall, dst);
+  const auto staged = stage(tensor, true);
+  wait(guarded(kCall, dst, [&] { return transport_->send(staged, dst, tag); }), kCall, dst);
 }
 
 void Communicator::recv(const torch::Tensor& tensor, int src, int tag) {
   constexpr const char* kCall = "recv";
   check_point_to_point(tensor, kCall, "source", src, tag);
-  wait(guarded(kCall, src, [&] { return transport_->recv(tensor, src, tag); }), kCall, src);
+  const auto staged = stage(tensor, false);
+  wait(guarded(kCall, src, [&] { return transport_->recv(staged, src, tag); }), kCall, src);
+  unstage(tensor, staged);
 }
 
 void Communicator::barrier() {

@@ -89,7 +89,7 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   const auto b = x.size(0), t = x.size(1), hd = head_dim;
   auto qkv = c_attn(x).view({b, t, 3, n_head, hd}).permute({2, 0, 3, 1, 4});  // [3, b, h, t, hd]
   auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  auto causal = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+  auto causal = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
   scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
   auto probs = attn_dropout(torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type()));
   auto y = torch::matmul(probs, qkv[2]).transpose(1, 2).reshape({b, t, n_head * hd});
@@ -167,7 +167,7 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& tokens) {
   ZTRAIN_CHECK(t <= config_.context, "GPT: sequence length ", t, " exceeds the context ", config_.context);
   auto& tr = *transformer;
   auto wte = tr.wte();
-  auto positions = torch::arange(t, torch::kLong);
+  auto positions = torch::arange(t, tokens.options().dtype(torch::kLong));
   auto tok = tp_ ? tp::vocab_parallel_embedding(tokens, wte, tp_) : torch::embedding(wte, tokens);
   auto x = tr.drop(tok + torch::embedding(tr.wpe(), positions));
   x = tr.ln_f(tr.h(x));

@@ -79,7 +79,7 @@ pipe::TensorList GptChunkImpl::forward(const pipe::TensorList& inputs, const pip
   torch::Tensor x;
   if (wte) {
     auto input = tokens.slice(1, 0, -1);
-    x = drop(wte->forward(input) + wpe->forward(torch::arange(input.size(1), torch::kLong)));
+    x = drop(wte->forward(input) + wpe->forward(torch::arange(input.size(1), input.options().dtype(torch::kLong))));
   } else {
     ZTRAIN_CHECK(inputs.size() == 1, "GptPipeline: a stage expects one hidden-state tensor, got ", inputs.size());
     x = inputs[0];

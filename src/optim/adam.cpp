@@ -21,7 +21,8 @@
 // (adam_kernels.cpp) over the parameter: inline when it is small, otherwise split into one
 // contiguous part per thread, each a multiple of 64 elements (whole cache lines for fp32 and
 // 16-bit data alike), the first on the calling thread. Elements are independent, so the split
-// never changes a result.
+// never changes a result. A parameter on a CUDA device (or any, with kTorchFused) is handed to
+// libtorch's fused kernel instead, its state beside it on the device.
 //
 // State lives in torch::optim::Optimizer::state_, under the key libtorch uses (the parameter's
 // TensorImpl address), so libtorch's save/load helpers work on it unchanged.
@@ -125,8 +126,9 @@ std::optional<WeightType> weight_type(c10::ScalarType dtype) {
 
 void check_param(const torch::Tensor& p, const std::string& where) {
   ZTRAIN_CHECK(p.defined(), where, ": a parameter is an undefined tensor");
-  ZTRAIN_CHECK(p.layout() == torch::kStrided && p.device().is_cpu(), where,
-               ": parameters must be dense CPU tensors, got layout ", p.layout(), " on ", p.device());
+  ZTRAIN_CHECK(p.layout() == torch::kStrided && (p.is_cpu() || p.is_cuda()), where,
+               ": parameters must be dense tensors on the CPU or a CUDA device, got layout ", p.layout(), " on ",
+               p.device());
   ZTRAIN_CHECK(weight_type(p.scalar_type()).has_value(), where, ": parameters must be float32, bfloat16 or float16, got ",
                p.scalar_type(), " (shape ", p.sizes(), ")");
   ZTRAIN_CHECK(p.is_contiguous(), where, ": parameters must be contiguous (the fused update runs over flat memory); "
@@ -135,9 +137,10 @@ void check_param(const torch::Tensor& p, const std::string& where) {
 }
 
 void check_grad(const torch::Tensor& p, const torch::Tensor& g, const std::string& where) {
-  ZTRAIN_CHECK(g.layout() == torch::kStrided && g.device().is_cpu(), where,
-               ": gradients must be dense CPU tensors (sparse gradients are not supported), got layout ", g.layout(),
-               " on ", g.device());
+  ZTRAIN_CHECK(g.layout() == torch::kStrided, where,
+               ": gradients must be dense tensors (sparse gradients are not supported), got layout ", g.layout());
+  ZTRAIN_CHECK(g.device() == p.device(), where, ": a parameter on ", p.device(), " has its gradient on ", g.device(),
+               "; they must be on the same device");
   ZTRAIN_CHECK(g.scalar_type() == p.scalar_type(), where, ": a ", p.scalar_type(), " parameter has a ",
                g.scalar_type(), " gradient; they must have the same dtype");
   ZTRAIN_CHECK(g.sizes() == p.sizes(), where, ": a parameter of shape ", p.sizes(), " has a gradient of shape ",
@@ -146,10 +149,11 @@ void check_grad(const torch::Tensor& p, const torch::Tensor& g, const std::strin
 
 void check_state_tensor(const torch::Tensor& t, const torch::Tensor& p, const char* name, const std::string& where) {
   ZTRAIN_CHECK(t.defined(), where, ": state ", name, " is undefined");
-  ZTRAIN_CHECK(t.scalar_type() == torch::kFloat32 && t.layout() == torch::kStrided && t.device().is_cpu() &&
+  ZTRAIN_CHECK(t.scalar_type() == torch::kFloat32 && t.layout() == torch::kStrided && t.device() == p.device() &&
                    t.is_contiguous() && t.sizes() == p.sizes(),
-               where, ": state ", name, " must be a contiguous float32 CPU tensor of the parameter's shape ",
-               p.sizes(), ", got ", t.scalar_type(), " of shape ", t.sizes(), (t.is_contiguous() ? "" : ", non-contiguous"));
+               where, ": state ", name, " must be a contiguous float32 tensor of the parameter's shape ", p.sizes(),
+               " on its device ", p.device(), ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ", t.device(),
+               (t.is_contiguous() ? "" : ", non-contiguous"));
 }
 
 void check_state(const AdamParamState& s, const torch::Tensor& p, const std::string& where) {
@@ -166,6 +170,25 @@ void check_state(const AdamParamState& s, const torch::Tensor& p, const std::str
 
 void bump_version(const torch::Tensor& t) {
   if (t.defined() && !t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
+/// One step of `param` by libtorch's fused kernel, on any device it has one for: fp32 weights
+/// (the master for bf16/fp16 parameters) updated in place, the parameter rounded from the master.
+void torch_fused_update(const torch::Tensor& param, const torch::Tensor& gradient, AdamParamState& s,
+                        const AdamOptions& o, Decay decay) {
+  const auto weight = s.master.defined() ? s.master : param;
+  const auto grad = gradient.to(torch::kFloat32).contiguous();
+  const auto step = torch::full({}, static_cast<double>(s.step), weight.options());
+  const auto [beta1, beta2] = o.betas();
+  const double wd = decay == Decay::kNone ? 0.0 : o.weight_decay();
+  if (decay == Decay::kCoupled) {
+    at::_fused_adam_({weight}, {grad}, {s.exp_avg}, {s.exp_avg_sq}, {}, {step}, o.lr(), beta1, beta2, wd, o.eps(),
+                     /*amsgrad=*/false, /*maximize=*/false);
+  } else {
+    at::_fused_adamw_({weight}, {grad}, {s.exp_avg}, {s.exp_avg_sq}, {}, {step}, o.lr(), beta1, beta2, wd, o.eps(),
+                      /*amsgrad=*/false, /*maximize=*/false);
+  }
+  if (s.master.defined()) param.copy_(s.master);
 }
 
 AdamOptions require_coupled(const AdamOptions& defaults) {
@@ -250,7 +273,7 @@ AdamParamState& AdamW::state_for(const torch::Tensor& param) {
   auto& slot = state_[ztrain::detail::optimizer_state_key(param)];
   if (!slot) {
     AdamParamState fresh;
-    const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32);
+    const auto fp32 = param.options().dtype(torch::kFloat32);
     fresh.exp_avg = torch::zeros(param.sizes(), fp32);
     fresh.exp_avg_sq = torch::zeros(param.sizes(), fp32);
     if (param.scalar_type() != torch::kFloat32) fresh.master = torch::empty(param.sizes(), fp32).copy_(param);
@@ -284,7 +307,9 @@ void AdamW::update(const torch::Tensor& param, const torch::Tensor& gradient, co
                                                    : Decay::kCoupled;
 
   const int64_t n = param.numel();
-  if (n > 0) {
+  if (n > 0 && (kernel_ == AdamKernel::kTorchFused || !param.is_cpu())) {
+    torch_fused_update(param, gradient, s, o, decay);
+  } else if (n > 0) {
     const torch::Tensor grad = gradient.contiguous();  // read only
     AdamSpan span;
     span.weight = low_precision ? s.master.data_ptr<float>() : param.data_ptr<float>();

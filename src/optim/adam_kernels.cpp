@@ -79,6 +79,8 @@ const char* to_string(AdamKernel kernel) {
       return "avx2";
     case AdamKernel::kAvx512:
       return "avx512";
+    case AdamKernel::kTorchFused:
+      return "torch_fused";
   }
   return "unknown";
 }
@@ -91,6 +93,8 @@ bool adam_kernel_supported(AdamKernel kernel) {
       return cpu_has_avx2();
     case AdamKernel::kAvx512:
       return cpu_has_avx512();
+    case AdamKernel::kTorchFused:
+      return true;
   }
   return false;
 }
@@ -376,6 +380,8 @@ AdamSpanFn pick(AdamKernel kernel, Decay decay) {
       return decay == Decay::kNone        ? avx512_span<T, Decay::kNone>
              : decay == Decay::kDecoupled ? avx512_span<T, Decay::kDecoupled>
                                           : avx512_span<T, Decay::kCoupled>;
+    case AdamKernel::kTorchFused:
+      break;  // not a span kernel: adam.cpp calls libtorch
   }
   return nullptr;
 }

@@ -122,7 +122,7 @@ Message PendingMessage::wait() {
 
 // ---- Boundary ----------------------------------------------------------------------------------
 
-Boundary::Boundary(Communicator& pp) : rank_(pp.rank()), size_(pp.size()) {
+Boundary::Boundary(Communicator& pp, c10::Device device) : rank_(pp.rank()), size_(pp.size()), device_(device) {
   if (size_ == 1) return;
   for (const char* dir : {"forward", "backward"}) {
     for (const char* kind : {"a", "b", "w"}) {
@@ -191,7 +191,7 @@ PendingMessage Boundary::recv(CommStream* stream, int src, int64_t expected_id, 
   }
   PendingMessage::State* s = state.get();
   state->work = stream->submit(
-      [s, src, keep = state](Communicator& c) {
+      [s, src, device = device_, keep = state](Communicator& c) {
         auto length = torch::empty({1}, torch::kInt64);
         c.recv(length, src, kTagLength);
         const int64_t n = length.item<int64_t>();
@@ -205,7 +205,7 @@ PendingMessage Boundary::recv(CommStream* stream, int src, int64_t expected_id, 
             s->message.tensors.emplace_back();
             continue;
           }
-          auto t = torch::empty(m.shape, torch::TensorOptions().dtype(m.dtype));
+          auto t = torch::empty(m.shape, torch::TensorOptions().dtype(m.dtype).device(device));
           if (t.numel() > 0) c.recv(t, src, kTagPayload);
           s->message.tensors.push_back(std::move(t));
         }

@@ -80,7 +80,7 @@ Pipeline::Pipeline(std::vector<std::shared_ptr<StageImpl>> chunks, PipelineOptio
       pp_(context_->pp()),
       stages_(pp_.size()),
       stage_(pp_.rank()),
-      boundary_(pp_) {
+      boundary_(pp_, context_->device()) {
   ZTRAIN_CHECK(!chunks_.empty(), "Pipeline: this rank holds no model chunk; pass at least one");
   for (size_t c = 0; c < chunks_.size(); ++c) {
     ZTRAIN_CHECK(chunks_[c] != nullptr, "Pipeline: chunk ", c, " is null");
@@ -190,7 +190,7 @@ torch::Tensor Pipeline::mean_loss(const std::vector<torch::Tensor>& losses) {
   const bool holds_loss = virtual_stage_of(static_cast<int>(chunks_.size()) - 1) == virtual_stages() - 1;
   if (holds_loss) loss = torch::stack(losses).to(torch::kFloat64).mean().to(losses[0].scalar_type());
   if (options_.broadcast_loss) {
-    auto buffer = holds_loss ? loss.to(torch::kFloat64).reshape({1}).contiguous() : torch::zeros({1}, torch::kFloat64);
+    auto buffer = holds_loss ? loss.to(torch::kFloat64).reshape({1}).contiguous() : torch::zeros({1}, torch::dtype(torch::kFloat64).device(context_->device()));
     pp_.broadcast(buffer, stages_ - 1);
     loss = buffer.reshape({}).to(torch::kFloat32);
     if (holds_loss) loss = loss.to(losses[0].scalar_type());

@@ -1,10 +1,12 @@
 #include <ztrain/runtime/init.h>
 
 #include <ztrain/comm/backend.h>
+#include <ztrain/runtime/device.h>
 #include <ztrain/runtime/rng.h>
 
 #include "huge_pages.h"
 
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <sched.h>
@@ -74,6 +76,22 @@ bool resolve_host_shared_buffers(const InitOptions& o) {
   return !v || *v != "0";
 }
 
+/// The device of the rank with index `local_rank` on its host (runtime/device.h).
+c10::Device resolve_rank_device(const InitOptions& o, int local_rank) {
+  const char* what = o.device ? "InitOptions::device" : "ZTRAIN_DEVICE";
+  c10::Device requested(c10::kCPU);
+  if (o.device) {
+    requested = *o.device;
+  } else if (auto v = env("ZTRAIN_DEVICE")) {
+    requested = parse_device(*v, what);
+  }
+  if (requested.is_cuda() && !requested.has_index()) {
+    resolve_device(requested, what);  // raises when no CUDA device is visible
+    requested = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % torch::cuda::device_count()));
+  }
+  return resolve_device(requested, what);
+}
+
 int usable_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -100,10 +118,13 @@ Runtime::Runtime(const InitOptions& options)
   local_size_ = host.local_size;
   local_rank_ = host.local_rank;
   threads_ = resolve_threads(options, local_size_);
+  const auto device = resolve_rank_device(options, local_rank_);
+  set_current_device(device);
   context_ = ParallelContext::create(std::move(world), {.tp_size = options.tp_size,
                                                         .pp_size = options.pp_size,
                                                         .seed = options.seed,
-                                                        .host_shared_buffers = resolve_host_shared_buffers(options)});
+                                                        .host_shared_buffers = resolve_host_shared_buffers(options),
+                                                        .device = device});
   at::set_num_threads(threads_);
   context_->world().reset_stats();
   torch::manual_seed(rng::data_parallel_seed(options.seed, context_->coord()));

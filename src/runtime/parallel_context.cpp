@@ -1,5 +1,7 @@
 #include <ztrain/runtime/parallel_context.h>
 
+#include <ztrain/runtime/device.h>
+
 namespace ztrain {
 
 namespace {
@@ -23,10 +25,12 @@ ParallelContext::ParallelContext(std::unique_ptr<Communicator> world, ParallelOp
 }
 
 std::shared_ptr<ParallelContext> ParallelContext::create(std::unique_ptr<Communicator> world, ParallelOptions options) {
+  options.device = resolve_device(options.device.value_or(c10::Device(c10::kCPU)), "ParallelOptions::device");
   return std::shared_ptr<ParallelContext>(new ParallelContext(std::move(world), std::move(options)));
 }
 
 std::shared_ptr<ParallelContext> ParallelContext::split(int color, ParallelOptions options) {
+  options.device = resolve_device(options.device.value_or(device()), "ParallelOptions::device");
   auto members = world_->split(color, rank(), options.name);
   return create(std::move(members), std::move(options));
 }

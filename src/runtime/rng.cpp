@@ -1,5 +1,8 @@
 #include <ztrain/runtime/rng.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+
 namespace ztrain::rng {
 namespace {
 uint64_t splitmix64(uint64_t x) {
@@ -29,6 +32,12 @@ uint64_t data_parallel_seed(uint64_t seed, Coord c) {
 uint64_t rank_seed(uint64_t seed, Coord c) {
   return derive(seed, {kRank, static_cast<uint64_t>(c.dp), static_cast<uint64_t>(c.pp),
                        static_cast<uint64_t>(c.tp)});
+}
+
+std::vector<at::Generator> default_generators(c10::Device device) {
+  std::vector<at::Generator> out{at::detail::getDefaultCPUGenerator()};
+  if (!device.is_cpu()) out.push_back(at::globalContext().defaultGenerator(device));
+  return out;
 }
 
 }  // namespace ztrain::rng

@@ -5,11 +5,11 @@
 
 namespace ztrain::detail {
 
-/// An uninitialised flat CPU buffer for parameters or gradients: host-shared memory when
-/// `host_shared` (so that collectives on one host read the peers' buffers in place), else the
-/// current CPU allocator's. Its storage remembers that it is a flat buffer (is_flat_buffer), also
-/// once released and refilled.
-torch::Tensor flat_buffer(int64_t numel, c10::ScalarType dtype, bool host_shared);
+/// An uninitialised flat buffer on `device` for parameters or gradients: on the CPU, host-shared
+/// memory when `host_shared` (so that collectives on one host read the peers' buffers in place),
+/// else the device's current allocator's. Its storage remembers that it is a flat buffer
+/// (is_flat_buffer), also once released and refilled.
+torch::Tensor flat_buffer(int64_t numel, c10::ScalarType dtype, c10::Device device, bool host_shared);
 
 /// Whether `t` views the storage of a flat buffer (allocated now or released): a parameter that
 /// a sharded module already points into its buffer.

@@ -5,8 +5,8 @@
 #include <ztrain/comm/comm_stream.h>
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/runtime/rng.h>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -18,19 +18,19 @@
 
 // How it works
 //
-// Forward runs the wrapped module inside one custom autograd node (ShardedBackward). The
-// node's inputs are the tensor arguments that require grad; its outputs are detached copies
-// of the module's outputs with the node as grad_fn. Without recomputation the module runs on
-// detached inputs with grad enabled, building an inner graph the node keeps; with it, the
-// module runs without grad and the node keeps the inputs and the CPU generator state. When
-// the engine reaches the node, it (re)builds the inner graph and runs a nested backward with
-// the wrapped parameters' .grad preset to views of one zeroed flat gradient buffer per group,
-// so the engine accumulates straight into the buffer. The buffer is then reduced on the
-// context's reduction stream (all-reduce or reduce-scatter as the level's policy says, a mean
-// over dp), which adds the result to the shard's .grad; a callback queued on the engine waits
-// for the stream before backward() returns, and at most kMaxPendingReductions buffers are in
-// flight. The streams belong to the module's ParallelContext, shared by every sharded module on
-// it, so gathers and reductions of consecutive blocks queue in order.
+// Forward runs the wrapped module inside one custom autograd node (ShardedBackward). The node's
+// inputs are the tensor arguments that require grad; its outputs are detached copies of the
+// module's outputs with the node as grad_fn. Without recomputation the module runs on detached
+// inputs with grad enabled, building an inner graph the node keeps; with it, the module runs
+// without grad and the node keeps the inputs and the states of the CPU's and the device's
+// generators. When the engine reaches the node, it (re)builds the inner graph and runs a nested
+// backward with the wrapped parameters' .grad preset to views of one zeroed flat gradient buffer
+// per group, so the engine accumulates straight into the buffer. The buffer is then reduced on the
+// context's reduction stream (all-reduce or reduce-scatter as the level's policy says, a mean over
+// dp), which adds the result to the shard's .grad; a callback queued on the engine waits for the
+// stream before backward() returns, and at most kMaxPendingReductions buffers are in flight. The
+// streams belong to the module's ParallelContext, shared by every sharded module on it, so gathers
+// and reductions of consecutive blocks queue in order.
 //
 // Levels 2 and 3 release the full buffers by detaching their StorageImpl from its memory and
 // later attaching fresh memory to the same StorageImpl: the parameters and every tensor the
@@ -62,7 +62,7 @@ struct ShardedCall {
   std::vector<bool> input_requires_grad;
   std::vector<size_t> edge_inputs;  // inputs with an edge out of the node, in edge order
   std::vector<torch::Tensor> inputs;                        // recomputation: detached inputs
-  torch::Tensor rng_state;                                  // recomputation: generator state
+  std::vector<torch::Tensor> rng_states;                    // recomputation: generator states
   std::vector<torch::Tensor> inner_inputs, inner_outputs;  // kept graph
   bool backward_done = false;
 };
@@ -103,28 +103,34 @@ std::vector<torch::Tensor> inner_leaves(const std::vector<torch::Tensor>& inputs
   return out;
 }
 
+std::vector<torch::Tensor> generator_states(c10::Device device) {
+  std::vector<torch::Tensor> out;
+  for (auto& gen : rng::default_generators(device)) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.push_back(gen.get_state());
+  }
+  return out;
+}
+
+/// Sets the generators of `device` to `states` (generator_states) for its lifetime.
 class GeneratorStateGuard {
  public:
-  explicit GeneratorStateGuard(const torch::Tensor& state) : gen_(at::detail::getDefaultCPUGenerator()) {
-    std::lock_guard<std::mutex> lock(gen_.mutex());
-    saved_ = gen_.get_state();
-    gen_.set_state(state);
+  GeneratorStateGuard(c10::Device device, const std::vector<torch::Tensor>& states)
+      : gens_(rng::default_generators(device)), saved_(generator_states(device)) {
+    set(states);
   }
-  ~GeneratorStateGuard() {
-    std::lock_guard<std::mutex> lock(gen_.mutex());
-    gen_.set_state(saved_);
-  }
+  ~GeneratorStateGuard() { set(saved_); }
 
  private:
-  at::Generator gen_;
-  torch::Tensor saved_;
+  void set(const std::vector<torch::Tensor>& states) {
+    for (size_t i = 0; i < gens_.size(); ++i) {
+      std::lock_guard<std::mutex> lock(gens_[i].mutex());
+      gens_[i].set_state(states[i]);
+    }
+  }
+  std::vector<at::Generator> gens_;
+  std::vector<torch::Tensor> saved_;
 };
-
-torch::Tensor generator_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
 }  // namespace
 }  // namespace detail
 
@@ -153,8 +159,9 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
   for (const auto& item : recorded_parameters(*wrapped_)) {
     const auto& p = item.tensor;
     ZTRAIN_CHECK(p.defined(), kind_, ": parameter '", item.name, "' is undefined");
-    ZTRAIN_CHECK(p.device().is_cpu(), kind_, ": parameter '", item.name, "' is on ", p.device(),
-                 "; sharded modules hold CPU tensors in this build");
+    ZTRAIN_CHECK(!p.is_meta(), kind_, ": parameter '", item.name, "' is on the meta device and has no values; "
+                 "build the module on a real device (its parameters move to the context's device, ",
+                 context_->device(), ")");
     ZTRAIN_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, kind_, ": parameter '", item.name,
                  "' is registered twice inside the wrapped module; tie parameters across blocks "
                  "with a DistributedParameter instead");
@@ -192,12 +199,13 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
 
   torch::NoGradGuard no_grad;
   const bool shared = context_->host_shared_buffers();
+  const auto device = context_->device();
   for (size_t g = 0; g < keys.size(); ++g) {
     ShardGroup group{.layout = FlatParamLayout(members[g], keys[g].dtype, dp.size()),
                      .requires_grad = keys[g].requires_grad,
                      .tp_distinct = keys[g].tp_distinct};
     const auto& layout = group.layout;
-    group.full = detail::flat_buffer(layout.total_numel(), keys[g].dtype, shared).zero_();
+    group.full = detail::flat_buffer(layout.total_numel(), keys[g].dtype, device, shared).zero_();
     for (size_t e = 0; e < layout.entries().size(); ++e) {
       const auto& entry = layout.entries()[e];
       group.full.narrow(0, entry.offset, entry.numel).copy_(member_tensors[g][e].detach().reshape(-1));
@@ -222,7 +230,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     } else if (!policy_->shards_parameters) {
       group.shard = detail::alias(group.full, begin, {end - begin});
     } else {
-      group.shard = detail::flat_buffer(end - begin, keys[g].dtype, shared).copy_(group.full.narrow(0, begin, end - begin));
+      group.shard = detail::flat_buffer(end - begin, keys[g].dtype, device, shared).copy_(group.full.narrow(0, begin, end - begin));
       detail::free_storage(group.full);
     }
     const auto name = c10::str("zero_shard_", g);
@@ -381,7 +389,7 @@ std::vector<torch::Tensor> ShardedModule::run(const Fn& fn, const std::vector<to
   call->input_requires_grad = input_rg;
   std::vector<torch::Tensor> outputs;
   if (options_.use_checkpoint) {
-    call->rng_state = detail::generator_state();
+    call->rng_states = detail::generator_states(context_->device());
     {
       torch::NoGradGuard no_grad;
       outputs = fn(inputs);
@@ -424,7 +432,7 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   std::vector<torch::Tensor> leaves, outputs;
   if (options_.use_checkpoint) {
     leaves = detail::inner_leaves(call.inputs, call.input_requires_grad);
-    detail::GeneratorStateGuard same_rng(call.rng_state);
+    detail::GeneratorStateGuard same_rng(context_->device(), call.rng_states);
     torch::AutoGradMode grad_on(true);
     outputs = call.fn(leaves);
   } else {
@@ -447,7 +455,9 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   for (auto& g : groups_) {
     if (!g.requires_grad) continue;
     flat_grads.push_back(
-        detail::flat_buffer(g.layout.total_numel(), g.full.scalar_type(), context_->host_shared_buffers()).zero_());
+        detail::flat_buffer(g.layout.total_numel(), g.full.scalar_type(), context_->device(),
+                            context_->host_shared_buffers())
+            .zero_());
     for (size_t e = 0; e < g.params.size(); ++e) {
       const auto& entry = g.layout.entries()[e];
       g.params[e].mutable_grad() = flat_grads.back().narrow(0, entry.offset, entry.numel).view(entry.shape);

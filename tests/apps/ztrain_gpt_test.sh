@@ -23,8 +23,8 @@ first=$(head -1 "$work/run/metrics.jsonl" | sed 's/.*"loss":\([0-9.]*\).*/\1/')
 last=$(tail -1 "$work/run/metrics.jsonl" | sed 's/.*"loss":\([0-9.]*\).*/\1/')
 awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }' || fail "loss did not fall: $first -> $last"
 
-"$gpt" eval --model "$work/run/model.safetensors" --data "$work/corpus.txt" --seq 32 --eval-batches 2 | grep -q '^val_loss=' \
-  || fail "eval printed no val_loss"
+"$gpt" eval --model "$work/run/model.safetensors" --data "$work/corpus.txt" --seq 32 --eval-batches 2 --device cpu \
+  | grep -q '^val_loss=' || fail "eval printed no val_loss"
 "$gpt" eval --model "$work/run/checkpoints/step-00000030" --data "$work/corpus.txt" --seq 32 --eval-batches 2 \
   | grep -q '^val_loss=' || fail "eval of a checkpoint printed no val_loss"
 head -c 3000 "$corpus" > "$work/score.txt"
@@ -43,4 +43,13 @@ if "$gpt" train --data "$work/corpus.txt" --preset tiny --zero-level 5 > "$work/
 grep -qi "zero-level" "$work/err2.log" || fail "the zero-level error does not name the option: $(cat "$work/err2.log")"
 if "$gpt" score --model "$work/corpus.txt" --input "$work/score.txt" > "$work/err3.log" 2>&1; then fail "a text file loaded as a model"; fi
 grep -q "corpus.txt" "$work/err3.log" || fail "the bad-model error does not name the file: $(cat "$work/err3.log")"
+if "$gpt" score --model "$work/run/model.safetensors" --input "$work/score.txt" --device tpu > "$work/err4.log" 2>&1; then
+  fail "device tpu accepted"
+fi
+grep -q -- "--device: 'tpu' is not a device; use cpu, cuda or cuda:N" "$work/err4.log" \
+  || fail "the bad-device error does not name the forms: $(cat "$work/err4.log")"
+if "$gpt" score --model "$work/run/model.safetensors" --input "$work/score.txt" --device cuda:99 > "$work/err5.log" 2>&1; then
+  fail "device cuda:99 accepted"
+fi
+grep -q "cuda:99" "$work/err5.log" || fail "the missing-device error does not name it: $(cat "$work/err5.log")"
 echo "ztrain_gpt_test: all passed"

@@ -667,12 +667,15 @@ const std::vector<c10::ScalarType> kWeightDtypes = {torch::kFloat32, torch::kBFl
 
 // ---- PyTorch golden trajectories ---------------------------------------------------------------------
 
+// libtorch's fused kernel is what CUDA parameters use; on the CPU it meets the same values.
 TEST(AdamGolden, AdamWMatchesPyTorch) {
   for (auto kernel : supported_kernels()) expect_golden(golden_configs()[0], kernel);
+  expect_golden(golden_configs()[0], AdamKernel::kTorchFused);
 }
 
 TEST(AdamGolden, AdamMatchesPyTorch) {
   for (auto kernel : supported_kernels()) expect_golden(golden_configs()[1], kernel);
+  expect_golden(golden_configs()[1], AdamKernel::kTorchFused);
 }
 
 // ---- SIMD kernels against the scalar reference -------------------------------------------------------
@@ -682,6 +685,8 @@ TEST(AdamKernels, EveryKernelIsReportedAndTheBestIsTheDefault) {
   EXPECT_STREQ(zo::to_string(AdamKernel::kScalar), "scalar");
   EXPECT_STREQ(zo::to_string(AdamKernel::kAvx2), "avx2");
   EXPECT_STREQ(zo::to_string(AdamKernel::kAvx512), "avx512");
+  EXPECT_STREQ(zo::to_string(AdamKernel::kTorchFused), "torch_fused");
+  EXPECT_TRUE(zo::adam_kernel_supported(AdamKernel::kTorchFused));
   auto p = torch::zeros({4});
   EXPECT_EQ(zo::AdamW({p}).kernel(), zo::best_adam_kernel());
   for (auto k : supported_kernels()) EXPECT_EQ(zo::AdamW({p}, {}, {.kernel = k}).kernel(), k);
@@ -777,15 +782,18 @@ TEST(AdamKernels, NarrowingRoundsToNearestEvenLikeTorch) {
 // ---- bf16/fp16 parameters with an fp32 master ------------------------------------------------------
 
 // The master follows exactly the fp32 run fed the same (rounded) inputs, and the parameter is the
-// master rounded to nearest even.
+// master rounded to nearest even: with ztrain's kernels and with libtorch's fused one alike.
 TEST(AdamLowPrecision, MasterFollowsTheFp32RunOfTheSameInputsExactly) {
-  for (auto dtype : {torch::kBFloat16, torch::kFloat16}) {
-    SCOPED_TRACE(c10::str(dtype));
+  for (auto [dtype, kernel] : {std::pair{torch::kBFloat16, zo::best_adam_kernel()},
+                               std::pair{torch::kFloat16, zo::best_adam_kernel()},
+                               std::pair{torch::kBFloat16, AdamKernel::kTorchFused},
+                               std::pair{torch::kFloat16, AdamKernel::kTorchFused}}) {
+    SCOPED_TRACE(c10::str(dtype, ", kernel ", zo::to_string(kernel)));
     const int64_t n = 4099;
     auto p16 = golden_input(n, 0).to(dtype);
     auto p32 = p16.to(torch::kFloat32);
     const auto options = AdamOptions(1e-2).weight_decay(0.1);
-    zo::AdamW opt16({p16}, options), opt32({p32}, options);
+    zo::AdamW opt16({p16}, options, {.kernel = kernel}), opt32({p32}, options, {.kernel = kernel});
     for (int64_t t = 1; t <= 100; ++t) {
       const auto g16 = golden_input(n, t).to(dtype);
       p16.mutable_grad() = g16;

@@ -3,6 +3,8 @@
 // The tests depend on running in this order (gtest keeps definition order).
 #include "test_util.h"
 
+#include <torch/cuda.h>
+
 #include <cstdlib>
 #include <fstream>
 
@@ -33,6 +35,28 @@ TEST(Init, RejectsTopologiesThatDoNotDivideTheWorld) {
   EXPECT_FALSE(ztrain::is_initialized());
 }
 
+TEST(Init, RejectsDevicesItCannotRunOnNamingTheAlternative) {
+  auto msg = error_message([&] { ztrain::init_distributed({.device = c10::Device(c10::kMeta)}); });
+  EXPECT_NE(msg.find("InitOptions::device: ztrain runs on cpu or cuda devices, got meta"), std::string::npos) << msg;
+  msg = error_message([&] { ztrain::init_distributed({.device = c10::Device(c10::kCPU, 1)}); });
+  EXPECT_NE(msg.find("there is one CPU device, got cpu:1"), std::string::npos) << msg;
+  setenv("ZTRAIN_DEVICE", "gpu0", 1);
+  msg = error_message([&] { ztrain::init_distributed(); });
+  EXPECT_NE(msg.find("ZTRAIN_DEVICE: 'gpu0' is not a device; use cpu, cuda or cuda:N"), std::string::npos) << msg;
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  if (gpus == 0) {
+    setenv("ZTRAIN_DEVICE", "cuda", 1);
+    msg = error_message([&] { ztrain::init_distributed(); });
+    EXPECT_NE(msg.find("ZTRAIN_DEVICE: cuda was asked for, but this process sees no CUDA device"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("or use device cpu"), std::string::npos) << msg;
+  }
+  unsetenv("ZTRAIN_DEVICE");
+  msg = error_message([&] { ztrain::init_distributed({.device = c10::Device(c10::kCUDA, gpus)}); });
+  EXPECT_NE(msg.find(gpus == 0 ? "sees no CUDA device" : "does not exist"), std::string::npos) << msg;
+  EXPECT_FALSE(ztrain::is_initialized());
+}
+
 TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   const int world = ztrain::test::expected_world_size();
   const int tp = world % 2 == 0 ? 2 : 1;
@@ -54,6 +78,8 @@ TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   EXPECT_EQ(at::get_num_threads(), 1);
   EXPECT_EQ(rt.local_size(), world);  // every rank of the test runs on this host
   EXPECT_EQ(rt.seed(), 5u);
+  EXPECT_EQ(rt.device(), c10::Device(c10::kCPU));  // neither InitOptions::device nor ZTRAIN_DEVICE set
+  EXPECT_EQ(rt.context().device(), rt.device());
 
   const auto& t = rt.topology();
   EXPECT_EQ(t.tp_size(), tp);

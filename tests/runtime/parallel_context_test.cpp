@@ -98,6 +98,11 @@ TEST(ParallelContext, SplitsTheWorldIntoMeshesOfTheirOwn) {
   half->world().all_reduce(sum);
   EXPECT_EQ(sum.item<int64_t>(), half_id == 0 ? 0 + 1 : 2 + 3);
   EXPECT_NE(error_message([&] { world.split(0, {.tp_size = 3}); }).find("does not divide"), std::string::npos);
+  // A split keeps its parent's device unless it names one; a device is checked before anything
+  // collective happens.
+  EXPECT_EQ(half->device(), world.device());
+  EXPECT_NE(error_message([&] { world.split(0, {.device = c10::Device(c10::kMeta)}); }).find("cpu or cuda"),
+            std::string::npos);
 }
 
 TEST(ParallelContext, TwoSubMeshesAndTheWorldTrainWithSingleProcessParity) {

@@ -4,7 +4,7 @@
 /// A checkpoint is a directory `<root>/step-<8 digits>/` holding
 ///   model.safetensors      every parameter, full tensors, plain names (see save())
 ///   optimizer.safetensors  every optimizer state tensor, full-sized, by parameter name
-///   rng.safetensors        each rank's CPU generator state
+///   rng.safetensors        each rank's generator states: the CPU's ("rank<r>"), a CUDA device's ("rank<r>.cuda")
 ///   manifest.json          step, world layout, OptimManager state (loss scaler, schedules,
 ///                          step counters), the caller's extra JSON (data position, config), and
 ///                          the SHA-256 of every file

@@ -4,8 +4,10 @@
 /// Every call that names a group operation (all_reduce, all_gather, reduce_scatter, broadcast,
 /// barrier, dup, split and the *_bytes / *_object helpers) is collective: every member of the
 /// group must make the same call, in the same order, with matching sizes and dtypes. Tensors must
-/// be contiguous and on the communicator's device; nothing is ever copied silently, and a wrong
-/// size or dtype raises ztrain::Error before any rank blocks. Every wait has a finite deadline
+/// be contiguous, on the CPU or a CUDA device; one on another device than the transport's (a
+/// CUDA tensor on the MPI backend, a CPU one on NCCL) is staged through a buffer on the
+/// transport's device, one copy each way (CommStats::staged_bytes). Nothing else is ever copied
+/// silently, and a wrong size or dtype raises ztrain::Error before any rank blocks. Every wait has a finite deadline
 /// (`timeout()`), creating a communicator (dup, split) included; when it passes, or the
 /// transport fails, the call raises ztrain::CommError and the communicator refuses further calls
 /// (its state is unknown after a partial collective).
@@ -71,6 +73,8 @@ struct CommStats {
   int64_t calls = 0;
   /// Collectives that read the members' host-shared buffers directly (comm/host_shared.h).
   int64_t host_shared_calls = 0;
+  /// Bytes of tensors staged through the transport's device (copied there, back, or both).
+  int64_t staged_bytes = 0;
   int64_t total_bytes() const {
     return all_reduce_bytes + all_gather_bytes + reduce_scatter_bytes + broadcast_bytes +
            send_bytes;
@@ -92,7 +96,7 @@ class Communicator {
   const std::string& name() const { return options_.name; }
   /// The world rank of a group member, for messages and topology queries.
   int world_rank_of(int group_rank) const;
-  /// The device of the tensors this communicator moves.
+  /// The device whose tensors the transport moves without staging.
   c10::Device device() const { return transport_->device(); }
   /// Whether every member runs on this host.
   bool host_local() const { return host_local_; }
@@ -173,6 +177,10 @@ class Communicator {
   void ensure_usable();
   void begin(const Call& call);
   void check_tensor(const torch::Tensor& t, const char* call, const char* what) const;
+  // `t` itself when it is on the transport's device, else a buffer there, holding t's values
+  // when `read`; unstage copies a buffer's values back into the tensor it stands for.
+  torch::Tensor stage(const torch::Tensor& t, bool read);
+  static void unstage(const torch::Tensor& t, const torch::Tensor& staged);
   void check_point_to_point(const torch::Tensor& tensor, const char* call, const char* role, int peer, int tag);
   bool large(int64_t bytes) const { return size_ > 1 && bytes >= options_.ring_threshold_bytes; }
 

@@ -19,7 +19,8 @@
 /// bit. PyTorch 2.x rounds some operations differently (its Python optimizers compute m with
 /// lerp_): within 1.3e-6 relative of 2.11's after 100 steps, 1e-6 of its C++ optimizers.
 ///
-/// Parameters: any contiguous tensor (ZeRO shards are large flat 1-D ones; sizes 0 and 1 work).
+/// Parameters: any contiguous tensor on the CPU or a CUDA device (ZeRO shards are large flat 1-D
+/// ones; sizes 0 and 1 work); the state lives on the parameter's device.
 ///   float32          updated in place; state: fp32 exp_avg, exp_avg_sq.
 ///   bfloat16/float16 the state also holds an fp32 master copy, taken from the parameter at its
 ///                    first step; the gradient is read in the parameter's dtype, the master is
@@ -27,9 +28,12 @@
 /// Anything else (other dtypes, non-contiguous or sparse tensors, a gradient of another dtype or
 /// shape) makes step() throw ztrain::Error before any parameter is touched.
 ///
-/// Kernels: a plain scalar reference, AVX2+FMA+F16C and AVX-512 (F, BW, VL), chosen at run time
-/// from what the CPU supports (AdamEngineOptions::kernel overrides it). All three give the same
-/// results bit for bit (apart from which payload a NaN produced by the arithmetic carries).
+/// Kernels: on the CPU a plain scalar reference, AVX2+FMA+F16C and AVX-512 (F, BW, VL), chosen
+/// at run time from what the CPU supports (AdamEngineOptions::kernel overrides it). All three
+/// give the same results bit for bit (apart from which payload a NaN produced by the arithmetic
+/// carries). Parameters on a CUDA device are updated by libtorch's fused kernel
+/// (aten::_fused_adamw_ / _fused_adam_, what torch.optim's fused=True runs; kTorchFused), which
+/// rounds as PyTorch 2.x does: on the CPU it can be chosen too, to compare the two.
 ///
 /// No communication: every rank steps its own shards. Not thread-safe: one thread calls step()
 /// at a time (the optimizer's own pool does the parallel work inside it).
@@ -105,9 +109,12 @@ enum class AdamKernel {
   kScalar,  ///< plain C++, the reference
   kAvx2,    ///< AVX2 + FMA + F16C, 8 floats per instruction
   kAvx512,  ///< AVX-512 F/BW/VL, 16 floats per instruction
+  /// libtorch's fused kernel (aten::_fused_adamw_ / _fused_adam_): what parameters on a CUDA
+  /// device always use; on the CPU only when asked for.
+  kTorchFused,
 };
 
-/// "scalar", "avx2" or "avx512".
+/// "scalar", "avx2", "avx512" or "torch_fused".
 const char* to_string(AdamKernel kernel);
 /// Whether this CPU (and OS) can run `kernel`.
 bool adam_kernel_supported(AdamKernel kernel);
@@ -121,7 +128,8 @@ struct AdamEngineOptions {
   /// Unset: at::get_num_threads() at construction. The pool's threads are created once, by the
   /// constructor, and live as long as the optimizer.
   std::optional<int> num_threads;
-  /// Unset: best_adam_kernel(). A kernel the CPU cannot run is an error, never a fallback.
+  /// The kernel for CPU parameters. Unset: best_adam_kernel(). A kernel the CPU cannot run is an
+  /// error, never a fallback. CUDA parameters always use kTorchFused.
   std::optional<AdamKernel> kernel;
   /// A tensor is split over threads only when each gets at least this many elements; smaller
   /// tensors are updated inline by the calling thread. >= 1.
@@ -150,7 +158,8 @@ class AdamW : public torch::optim::Optimizer {
   const AdamParamState* state_of(const torch::Tensor& param) const;
   /// Replaces the state of `param` (loading a checkpoint). Throws ztrain::Error unless `param`
   /// belongs to a group, step >= 0, exp_avg and exp_avg_sq are contiguous fp32 tensors of the
-  /// parameter's shape, and master is one too for a bf16/fp16 parameter and undefined for fp32.
+  /// parameter's shape on its device, and master is one too for a bf16/fp16 parameter and
+  /// undefined for fp32.
   /// The tensors are stored as given (not copied) and updated in place by later steps.
   void set_state(const torch::Tensor& param, AdamParamState state);
 
@@ -159,7 +168,7 @@ class AdamW : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  /// The kernel step() runs.
+  /// The kernel step() runs for CPU parameters.
   AdamKernel kernel() const { return kernel_; }
   /// Threads a large tensor is split over (the calling thread included).
   int num_threads() const;

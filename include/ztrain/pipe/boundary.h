@@ -87,8 +87,9 @@ class PendingMessage {
 
 class Boundary {
  public:
-  /// Collective over `pp` (it is duplicated; `pp` itself is not used afterwards).
-  explicit Boundary(Communicator& pp);
+  /// Collective over `pp` (it is duplicated; `pp` itself is not used afterwards). Received
+  /// tensors are placed on `device` (this stage's), whatever the sender's was.
+  explicit Boundary(Communicator& pp, c10::Device device = c10::kCPU);
   /// Waits for the sends still in flight; never throws.
   ~Boundary();
   Boundary(const Boundary&) = delete;
@@ -96,6 +97,7 @@ class Boundary {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  c10::Device device() const { return device_; }
   /// Neighbours: (rank + 1) % size and (rank − 1) % size.
   int next() const { return (rank_ + 1) % size_; }
   int prev() const { return (rank_ + size_ - 1) % size_; }
@@ -119,6 +121,7 @@ class Boundary {
 
   int rank_ = 0;
   int size_ = 1;
+  c10::Device device_;
   // The duplicates: [direction][a, b, wrap]; see boundary.cpp for who uses which.
   std::vector<std::unique_ptr<CommStream>> streams_;
   CommStream* forward_send_ = nullptr;

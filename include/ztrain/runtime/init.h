@@ -6,8 +6,8 @@
 /// communicates. It starts the communicator backend (MPI with MPI_THREAD_MULTIPLE, or adopts an
 /// MPI the program already initialised, which then must provide that level), builds the default
 /// ParallelContext over every rank — the pp × dp × tp topology and one communicator per group —
-/// seeds libtorch's default generator (different per data-parallel replica and stage, same
-/// across a tensor-parallel group) and sets the intra-op thread count. A plain `./program`
+/// seeds libtorch's default generators (different per data-parallel replica and stage, same
+/// across a tensor-parallel group), picks this rank's device and sets the intra-op thread count. A plain `./program`
 /// without mpirun is a world of one rank. More contexts can be split from the default one.
 ///
 /// The runtime lives until `finalize_distributed()` or process exit, whichever comes first;
@@ -56,8 +56,12 @@ struct InitOptions {
   /// Allocate the ZeRO engine's flat buffers (parameter shards, gathered parameters, gradients)
   /// in host-shared memory (comm/host_shared.h): where a data-parallel group shares one host,
   /// their gathers and reductions then read the peers' buffers in place instead of sending them.
-  /// Not set: on unless ZTRAIN_HOST_SHARED_BUFFERS is 0.
+  /// Not set: on unless ZTRAIN_HOST_SHARED_BUFFERS is 0. CPU devices only.
   std::optional<bool> host_shared_buffers;
+  /// This rank's device (runtime/device.h): the CPU, cuda:N, or cuda — then local rank modulo
+  /// the CUDA devices visible — which becomes the current CUDA device. Not set: ZTRAIN_DEVICE
+  /// from the environment ("cpu", "cuda", "cuda:N"), else the CPU.
+  std::optional<c10::Device> device;
 };
 
 class Runtime {
@@ -96,6 +100,8 @@ class Runtime {
   bool debug_collectives() const { return debug_; }
   bool huge_pages() const { return huge_pages_; }
   bool host_shared_buffers() const { return context_->host_shared_buffers(); }
+  /// This rank's device, the default context's.
+  c10::Device device() const { return context_->device(); }
 
  private:
   friend Runtime& init_distributed(const InitOptions&);

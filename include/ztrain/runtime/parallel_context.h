@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 namespace ztrain {
@@ -42,6 +43,10 @@ struct ParallelOptions {
   /// The context's name: its world communicator's, and the prefix of its groups' ("half.dp").
   /// The default context is "world", whose groups are plain "tp", "dp", "pp", "stage".
   std::string name = "world";
+  /// This rank's device: where sharded modules keep parameters, gradients and flat buffers, and
+  /// where optimizers keep their state. One device per rank, resolved (cuda:N, never plain cuda;
+  /// runtime/device.h). Not set: the device of the context split from, else the CPU.
+  std::optional<c10::Device> device;
 };
 
 class ParallelContext : public std::enable_shared_from_this<ParallelContext> {
@@ -68,7 +73,10 @@ class ParallelContext : public std::enable_shared_from_this<ParallelContext> {
   int dp_rank() const { return coord().dp; }
   int pp_rank() const { return coord().pp; }
   uint64_t seed() const { return options_.seed; }
-  bool host_shared_buffers() const { return options_.host_shared_buffers; }
+  /// Host-shared flat buffers: asked for, and the device is the CPU.
+  bool host_shared_buffers() const { return options_.host_shared_buffers && device().is_cpu(); }
+  /// This rank's device (ParallelOptions::device).
+  c10::Device device() const { return *options_.device; }
 
   /// The communicators of the groups this rank belongs to.
   Communicator& world() { return *world_; }

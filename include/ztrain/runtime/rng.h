@@ -10,8 +10,11 @@
 
 #include <ztrain/runtime/topology.h>
 
+#include <ATen/core/Generator.h>
+
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 namespace ztrain::rng {
 
@@ -25,5 +28,9 @@ uint64_t shared_seed(uint64_t seed);
 uint64_t data_parallel_seed(uint64_t seed, Coord c);
 /// Differs on every rank: dropout on tensor-parallel split activations.
 uint64_t rank_seed(uint64_t seed, Coord c);
+
+/// The default generators that work on `device` draws from: the CPU's, then the device's unless
+/// it is the CPU (what recomputation replays and checkpoints keep).
+std::vector<at::Generator> default_generators(c10::Device device);
 
 }  // namespace ztrain::rng

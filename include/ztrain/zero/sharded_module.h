@@ -4,10 +4,11 @@
 /// (BlockOptions::context; the default context when not set).
 ///
 /// Construction (collective over the dp group) groups the wrapped module's parameters by
-/// (dtype, requires_grad), lays each group out in a flat buffer (FlatParamLayout), broadcasts
-/// the buffer from dp rank 0 so every rank starts from the same values, and points the user's
-/// parameter tensors into it: the user's module keeps its parameter objects and names, only
-/// their storage moves. What stays between steps depends on the ZeRO level (level_policy.h):
+/// (dtype, requires_grad), lays each group out in a flat buffer (FlatParamLayout) on the
+/// context's device, broadcasts the buffer from dp rank 0 so every rank starts from the same
+/// values, and points the user's parameter tensors into it: the user's module keeps its
+/// parameter objects and names, only their storage moves — to the context's device, from
+/// wherever the module was built (as FSDP's device_id). What stays between steps depends on the ZeRO level (level_policy.h):
 ///
 /// | level | kept between steps          | gradient                         | optimizer sees     |
 /// |-------|-----------------------------|----------------------------------|--------------------|
