@@ -1,14 +1,17 @@
 # One helper registers every test.
 #
 #   ztrain_add_test(NAME comm_test SOURCES a.cpp b.cpp [RANKS 1 2 4] [TIMEOUT 120] [LABELS ...]
-#                   [NO_INIT])
+#                   [NO_INIT] [GPU])
 #
 # Builds an executable from SOURCES (linked with GoogleTest and the shared MPI-aware test main)
 # and registers it with CTest. Without RANKS it is a unit test run as a plain process (world size
 # 1). With RANKS it is registered once per rank count as NAME.npN, launched under mpirun; the
 # test main receives the expected world size in ZTRAIN_TEST_WORLD_SIZE and fails when it does not
 # get it, so a launcher mistake can never pass silently. NO_INIT leaves init_distributed to the
-# test itself (tests of initialisation).
+# test itself (tests of initialisation). GPU registers every launch once more as NAME[.npN].cuda
+# with ZTRAIN_DEVICE=cuda (the runtime's device; several ranks share the GPUs there are) and the
+# label gpu: `ctest -L gpu` (scripts/gpu_check.sh). Where no CUDA device is visible those report
+# as skipped, never as passed.
 include_guard(GLOBAL)
 
 find_package(GTest REQUIRED)
@@ -24,7 +27,7 @@ set(ZTRAIN_TEST_ENV
 set(ZTRAIN_MPIEXEC_FLAGS --oversubscribe --bind-to none)
 
 function(ztrain_add_test)
-  cmake_parse_arguments(T "NO_INIT" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;ARGS" ${ARGN})
+  cmake_parse_arguments(T "NO_INIT;GPU" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;ARGS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
@@ -37,18 +40,33 @@ function(ztrain_add_test)
   if(ZTRAIN_USE_PCH)
     target_precompile_headers(${T_NAME} REUSE_FROM ztrain_test_main)
   endif()
-  if(NOT T_RANKS)
-    add_test(NAME ${T_NAME} COMMAND ${T_NAME} ${T_ARGS})
-    set_tests_properties(${T_NAME} PROPERTIES
-      TIMEOUT ${T_TIMEOUT} LABELS "unit;${T_LABELS}"
-      ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=1")
-    return()
+  set(devices cpu)
+  if(T_GPU)
+    list(APPEND devices cuda)
   endif()
-  foreach(n IN LISTS T_RANKS)
-    add_test(NAME ${T_NAME}.np${n}
-      COMMAND ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
-    set_tests_properties(${T_NAME}.np${n} PROPERTIES
-      TIMEOUT ${T_TIMEOUT} LABELS "mpi;${T_LABELS}" PROCESSORS ${n}
-      ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=${n}")
+  foreach(device IN LISTS devices)
+    set(suffix "")
+    set(env "")
+    set(labels "${T_LABELS}")
+    set(skip "")
+    if(device STREQUAL "cuda")
+      set(suffix ".cuda")
+      set(env ";ZTRAIN_DEVICE=cuda")
+      list(APPEND labels gpu)
+      set(skip SKIP_REGULAR_EXPRESSION "sees no CUDA device")
+    endif()
+    if(NOT T_RANKS)
+      add_test(NAME ${T_NAME}${suffix} COMMAND ${T_NAME} ${T_ARGS})
+      set_tests_properties(${T_NAME}${suffix} PROPERTIES
+        TIMEOUT ${T_TIMEOUT} LABELS "unit;${labels}"
+        ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=1${env}" ${skip})
+    endif()
+    foreach(n IN LISTS T_RANKS)
+      add_test(NAME ${T_NAME}.np${n}${suffix}
+        COMMAND ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
+      set_tests_properties(${T_NAME}.np${n}${suffix} PROPERTIES
+        TIMEOUT ${T_TIMEOUT} LABELS "mpi;${labels}" PROCESSORS ${n}
+        ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=${n}${env}" ${skip})
+    endforeach()
   endforeach()
 endfunction()

@@ -62,9 +62,9 @@ inline ::testing::AssertionResult tensors_equal(const torch::Tensor& a, const to
     return ::testing::AssertionFailure() << "dtypes differ: " << a.scalar_type() << " vs " << b.scalar_type();
   }
   if (a.numel() == 0) return ::testing::AssertionSuccess();
-  auto x = a.to(torch::kFloat64).reshape(-1), y = b.to(torch::kFloat64).reshape(-1);
+  auto x = a.to(torch::kCPU, torch::kFloat64).reshape(-1), y = b.to(torch::kCPU, torch::kFloat64).reshape(-1);
   auto bad = (x - y).abs() > (atol + rtol * y.abs());
-  if (a.scalar_type() == torch::kBool) bad = a.reshape(-1) != b.reshape(-1);
+  if (a.scalar_type() == torch::kBool) bad = a.cpu().reshape(-1) != b.cpu().reshape(-1);
   if (!bad.any().item<bool>()) return ::testing::AssertionSuccess();
   auto i = bad.nonzero()[0].item<int64_t>();
   return ::testing::AssertionFailure() << bad.sum().item<int64_t>() << " of " << a.numel()

@@ -26,7 +26,7 @@ struct LayerImpl : torch::nn::Module {
     const auto t = x.size(1), d = x.size(2);
     auto qkv_out = qkv(ln1(x)).chunk(3, -1);
     auto scores = torch::matmul(qkv_out[0], qkv_out[1].transpose(1, 2)) / std::sqrt(static_cast<double>(d));
-    auto mask = torch::ones({t, t}, torch::kBool).triu(1);
+    auto mask = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
     auto att = torch::softmax(scores.masked_fill(mask, -1e9), -1);
     x = x + drop(proj(torch::matmul(att, qkv_out[2])));
     return x + drop(out(torch::gelu(fc(ln2(x)), "tanh")));

@@ -1,0 +1,199 @@
+// The engine on the runtime's device (the CPU here; a CUDA device in the .cuda variants, run by
+// scripts/gpu_check.sh): sharded modules move what they wrap onto it, Adam there agrees with the
+// CPU kernels, AdamOffload with AdamW, and a checkpoint saved on the device loads into a CPU
+// context over the same ranks and back.
+#include "test_util.h"
+#include "zero_model.h"
+
+#include <filesystem>
+
+#include <unistd.h>
+
+namespace ztrain::test {
+namespace {
+
+namespace fs = std::filesystem;
+namespace zo = ztrain::optim;
+
+constexpr int64_t kBatch = 4;
+constexpr int64_t kSeq = 8;
+
+std::string shared_root(const std::string& stem) {
+  std::string dir;
+  if (runtime().rank() == 0) {
+    dir = (fs::temp_directory_path() / c10::str("ztrain_device_", stem, "_", ::getpid())).string();
+    fs::remove_all(dir);
+  }
+  return runtime().world().broadcast_bytes(dir, 0);
+}
+
+/// This rank's slice of batch `step`, on `device`.
+torch::Tensor local_batch(int64_t step, c10::Device device) {
+  const int dp = runtime().dp().size(), r = runtime().dp().rank();
+  const int64_t local = kBatch / dp;
+  return batch_tokens(step, kBatch, kSeq, ModelConfig{}.vocab).slice(0, r * local, (r + 1) * local).to(device);
+}
+
+TEST(Device, ShardedModulesMoveWhatTheyWrapOntoTheContextsDevice) {
+  const auto device = runtime().device();
+  for (int level = 0; level <= 3; ++level) {
+    SCOPED_TRACE(c10::str("level ", level));
+    torch::manual_seed(3);
+    torch::nn::Linear built_on_cpu(8, 8);
+    ASSERT_TRUE(built_on_cpu->weight.is_cpu());
+    Block<torch::nn::Linear> block(built_on_cpu, {.zero_level = level});
+    for (const auto& g : block->groups()) EXPECT_EQ(g.shard.device(), device);
+    EXPECT_EQ(built_on_cpu->weight.device(), device) << "the wrapped module's own parameter objects moved";
+    auto x = torch::randn({2, 8}).to(device).requires_grad_();
+    block(x).square().sum().backward();
+    EXPECT_EQ(x.grad().device(), device);
+    for (const auto& g : block->groups()) {
+      ASSERT_TRUE(g.shard.grad().defined());
+      EXPECT_EQ(g.shard.grad().device(), device);
+    }
+  }
+}
+
+// The device side runs libtorch's fused kernel (what CUDA parameters always use), the CPU side
+// ztrain's SIMD kernel; both equal PyTorch's AdamW to ~1e-6 (optim/adam_test.cpp), so each other
+// to 1e-5.
+TEST(Device, AdamThereMatchesTheCpuKernel) {
+  const auto device = runtime().device();
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::str(dtype));
+    torch::manual_seed(11);
+    auto on_cpu = (torch::randn({4099}) * 0.5).to(dtype);
+    auto on_device = on_cpu.to(device).clone();  // a copy also where the device is the CPU
+    const auto options = zo::AdamOptions(1e-2).weight_decay(0.1);
+    zo::AdamW cpu_opt({on_cpu}, options);
+    zo::AdamW device_opt({on_device}, options, {.kernel = zo::AdamKernel::kTorchFused});
+    for (int step = 0; step < 20; ++step) {
+      const auto g = torch::randn({4099}).to(dtype);
+      on_cpu.mutable_grad() = g;
+      on_device.mutable_grad() = g.to(device);
+      cpu_opt.step();
+      device_opt.step();
+    }
+    const auto* s = device_opt.state_of(on_device);
+    EXPECT_EQ(s->exp_avg.device(), device);
+    EXPECT_EQ(s->master.defined(), dtype != torch::kFloat32);
+    if (s->master.defined()) {
+      EXPECT_EQ(s->master.device(), device);
+      EXPECT_TRUE(tensors_equal(s->master, cpu_opt.state_of(on_cpu)->master, 1e-5, 1e-7));
+    }
+    EXPECT_TRUE(tensors_equal(s->exp_avg_sq, cpu_opt.state_of(on_cpu)->exp_avg_sq, 1e-5, 1e-12));
+    // A 16-bit parameter is its master rounded: within one unit of the dtype where the masters differ.
+    const double eps = dtype == torch::kFloat32 ? 1e-5 : std::ldexp(1.0, -7);
+    EXPECT_TRUE(tensors_equal(on_device, on_cpu, eps, 1e-7));
+  }
+}
+
+struct Trained {
+  std::vector<double> losses;
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+};
+
+template <class Optimizer>
+Trained train(int level, int steps) {
+  const auto device = runtime().device();
+  torch::manual_seed(7);
+  ZeroModel model(ModelConfig{}, BlockOptions{.zero_level = level}, level);
+  Optimizer opt(*model, zo::AdamOptions(1e-2));
+  zo::OptimManager mgr(*model);
+  mgr.add_optimizer(opt);
+  Trained t;
+  for (int step = 0; step < steps; ++step) {
+    auto tokens = local_batch(step, device);
+    auto loss = lm_loss(model->forward(tokens), tokens);
+    mgr.zero_grad();
+    mgr.backward(loss);
+    mgr.step();
+    t.losses.push_back(sum_loss(loss).item<double>());
+  }
+  t.params = gathered_parameters(*model);
+  return t;
+}
+
+/// AdamW over a model's parameters, as AdamOffload is constructed.
+struct ModelAdamW : zo::AdamW {
+  ModelAdamW(torch::nn::Module& model, zo::AdamOptions options) : zo::AdamW(model.parameters(), options) {}
+};
+
+TEST(Device, AdamOffloadEqualsAdamWBitForBit) {
+  for (int level : {0, 3}) {
+    SCOPED_TRACE(c10::str("level ", level));
+    const auto plain = train<ModelAdamW>(level, 5);
+    const auto offload = train<zo::AdamOffload>(level, 5);
+    EXPECT_EQ(plain.losses, offload.losses);
+    ASSERT_EQ(plain.params.size(), offload.params.size());
+    for (size_t i = 0; i < plain.params.size(); ++i) {
+      EXPECT_TRUE(tensors_equal(plain.params[i].second, offload.params[i].second)) << plain.params[i].first;
+    }
+  }
+}
+
+/// A ZeroModel with AdamW and its manager on one context, for checkpoints.
+struct Trainer {
+  explicit Trainer(std::shared_ptr<ParallelContext> context)
+      : model(ModelConfig{}, BlockOptions{.zero_level = 3, .context = context}, 3),
+        opt(model->parameters(), zo::AdamOptions(1e-2)),
+        mgr(*model) {
+    mgr.add_optimizer(opt);
+  }
+  TrainingState state() { return {*model, opt, mgr}; }
+  void train(int64_t first, int64_t steps) {
+    const auto device = model->wte->context().device();
+    for (int64_t step = first; step < first + steps; ++step) {
+      auto tokens = local_batch(step, device);
+      mgr.zero_grad();
+      mgr.backward(lm_loss(model->forward(tokens), tokens));
+      mgr.step();
+    }
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> params() { return gathered_parameters(*model); }
+
+  ZeroModel model;
+  zo::AdamW opt;
+  zo::OptimManager mgr;
+};
+
+void expect_same_params(Trainer& a, Trainer& b) {
+  const auto pa = a.params(), pb = b.params();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(tensors_equal(pa[i].second, pb[i].second)) << pa[i].first;
+}
+
+TEST(Device, CheckpointSavedOnTheDeviceLoadsOnTheCpuAndBack) {
+  const auto root = shared_root("round_trip");
+  auto cpu = default_context().split(0, {.name = "cpu", .device = c10::Device(c10::kCPU)});
+  ASSERT_TRUE(cpu->device().is_cpu());
+
+  torch::manual_seed(21);
+  Trainer on_device(runtime().context_ptr());
+  on_device.train(0, 3);
+  const auto dir = save_checkpoint(root, 3, on_device.state());
+
+  torch::manual_seed(22);  // other initial values: the load must replace all of them
+  Trainer on_cpu(cpu);
+  EXPECT_TRUE(on_cpu.model->wte->groups()[0].shard.is_cpu());
+  EXPECT_EQ(load_checkpoint(dir, on_cpu.state()).step, 3);
+  expect_same_params(on_device, on_cpu);
+  // The optimizer state came along: one more step stays together (within the devices' kernels).
+  on_device.train(3, 1);
+  on_cpu.train(3, 1);
+  const auto pd = on_device.params(), pc = on_cpu.params();
+  for (size_t i = 0; i < pd.size(); ++i) {
+    EXPECT_TRUE(tensors_equal(pd[i].second, pc[i].second, 1e-4, 1e-6)) << pd[i].first;
+  }
+
+  // And back: saved on the CPU, loaded on the device.
+  const auto back = save_checkpoint(root, 4, on_cpu.state());
+  torch::manual_seed(23);
+  Trainer again(runtime().context_ptr());
+  load_checkpoint(back, again.state());
+  expect_same_params(on_cpu, again);
+  if (runtime().rank() == 0) fs::remove_all(root);
+}
+
+}  // namespace
+}  // namespace ztrain::test
