@@ -144,7 +144,7 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
       if (state.find('.') != std::string::npos) continue;  // another parameter's name continues here
       auto t = torch::zeros({p.numel()}, torch::TensorOptions().dtype(info.dtype));
       for (const auto& r : h.refs) detail::read_sharded(reader, entry_for(r, state, t));
-      s.tensors[state] = t.view(p.sizes()).to(p.device());  // beside the parameter, as optimizers keep it
+      s.tensors[state] = t.view(p.sizes());
     }
     if (steps.contains(h.refs.front().name)) s.step = steps.at(h.refs.front().name).get<int64_t>();
     if (!s.tensors.empty()) optim::set_state(optimizer, p, std::move(s));

@@ -147,24 +147,32 @@ void check_grad(const torch::Tensor& p, const torch::Tensor& g, const std::strin
                g.sizes());
 }
 
-void check_state_tensor(const torch::Tensor& t, const torch::Tensor& p, const char* name, const std::string& where) {
+void check_state_tensor(const torch::Tensor& t, const torch::Tensor& p, c10::Device device, const char* name,
+                        const std::string& where) {
   ZTRAIN_CHECK(t.defined(), where, ": state ", name, " is undefined");
-  ZTRAIN_CHECK(t.scalar_type() == torch::kFloat32 && t.layout() == torch::kStrided && t.device() == p.device() &&
+  ZTRAIN_CHECK(t.scalar_type() == torch::kFloat32 && t.layout() == torch::kStrided && t.device() == device &&
                    t.is_contiguous() && t.sizes() == p.sizes(),
                where, ": state ", name, " must be a contiguous float32 tensor of the parameter's shape ", p.sizes(),
-               " on its device ", p.device(), ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ", t.device(),
+               " on ", device, ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ", t.device(),
                (t.is_contiguous() ? "" : ", non-contiguous"));
 }
 
-void check_state(const AdamParamState& s, const torch::Tensor& p, const std::string& where) {
+/// Whether the state of `p`, kept on `device`, holds an fp32 master copy: for a 16-bit
+/// parameter, and for any parameter whose state is kept away from it (offloaded).
+bool needs_master(const torch::Tensor& p, c10::Device device) {
+  return p.scalar_type() != torch::kFloat32 || p.device() != device;
+}
+
+void check_state(const AdamParamState& s, const torch::Tensor& p, c10::Device device, const std::string& where) {
   ZTRAIN_CHECK(s.step >= 0, where, ": state step must be >= 0, got ", s.step);
-  check_state_tensor(s.exp_avg, p, "exp_avg", where);
-  check_state_tensor(s.exp_avg_sq, p, "exp_avg_sq", where);
-  if (p.scalar_type() == torch::kFloat32) {
+  check_state_tensor(s.exp_avg, p, device, "exp_avg", where);
+  check_state_tensor(s.exp_avg_sq, p, device, "exp_avg_sq", where);
+  if (!needs_master(p, device)) {
     ZTRAIN_CHECK(!s.master.defined(), where, ": a float32 parameter has no master copy, but the state holds one");
   } else {
-    ZTRAIN_CHECK(s.master.defined(), where, ": a ", p.scalar_type(), " parameter needs an fp32 master copy in its state");
-    check_state_tensor(s.master, p, "master", where);
+    ZTRAIN_CHECK(s.master.defined(), where, ": a ", p.scalar_type(), " parameter on ", p.device(),
+                 " needs an fp32 master copy on ", device, " in its state");
+    check_state_tensor(s.master, p, device, "master", where);
   }
 }
 
@@ -247,7 +255,7 @@ void AdamW::check_step() const {
                    ": a parameter appears twice in the optimizer (it would be updated twice per step)");
       if (!p.grad().defined()) continue;
       check_grad(p, p.grad(), where);
-      if (const auto* s = state_of(p)) check_state(*s, p, where);
+      if (const auto* s = state_of(p)) check_state(*s, p, state_device(p), where);
     }
   }
 }
@@ -273,10 +281,13 @@ AdamParamState& AdamW::state_for(const torch::Tensor& param) {
   auto& slot = state_[ztrain::detail::optimizer_state_key(param)];
   if (!slot) {
     AdamParamState fresh;
-    const auto fp32 = param.options().dtype(torch::kFloat32);
+    const auto device = state_device(param);
+    // Host state of a device parameter is pinned, so that its copies run at full speed.
+    const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32).device(device).pinned_memory(
+        device.is_cpu() && !param.is_cpu());
     fresh.exp_avg = torch::zeros(param.sizes(), fp32);
     fresh.exp_avg_sq = torch::zeros(param.sizes(), fp32);
-    if (param.scalar_type() != torch::kFloat32) fresh.master = torch::empty(param.sizes(), fp32).copy_(param);
+    if (needs_master(param, device)) fresh.master = torch::empty(param.sizes(), fp32).copy_(param);
     slot = std::make_unique<AdamStateEntry>(std::move(fresh));
   }
   return static_cast<AdamStateEntry&>(*slot).state;
@@ -307,13 +318,19 @@ void AdamW::update(const torch::Tensor& param, const torch::Tensor& gradient, co
                                                    : Decay::kCoupled;
 
   const int64_t n = param.numel();
-  if (n > 0 && (kernel_ == AdamKernel::kTorchFused || !param.is_cpu())) {
-    torch_fused_update(param, gradient, s, o, decay);
+  // Offloaded: the state is in host memory, the parameter on a device. The update runs on the
+  // host from a host copy of the gradient, into the master (and a host copy of a 16-bit
+  // parameter), which then goes to the device.
+  const bool offloaded = s.exp_avg.is_cpu() && !param.is_cpu();
+  const auto pinned = torch::TensorOptions().dtype(param.scalar_type()).pinned_memory(offloaded);
+  const torch::Tensor grad = offloaded ? torch::empty(param.sizes(), pinned).copy_(gradient) : gradient.contiguous();
+  if (n > 0 && (kernel_ == AdamKernel::kTorchFused || (!param.is_cpu() && !offloaded))) {
+    torch_fused_update(param, grad, s, o, decay);
   } else if (n > 0) {
-    const torch::Tensor grad = gradient.contiguous();  // read only
+    const torch::Tensor param16 = offloaded && low_precision ? torch::empty(param.sizes(), pinned) : param;
     AdamSpan span;
-    span.weight = low_precision ? s.master.data_ptr<float>() : param.data_ptr<float>();
-    span.param16 = low_precision ? static_cast<uint16_t*>(param.data_ptr()) : nullptr;
+    span.weight = s.master.defined() ? s.master.data_ptr<float>() : param.data_ptr<float>();
+    span.param16 = low_precision ? static_cast<uint16_t*>(param16.data_ptr()) : nullptr;
     span.grad = grad.data_ptr();
     span.exp_avg = s.exp_avg.data_ptr<float>();
     span.exp_avg_sq = s.exp_avg_sq.data_ptr<float>();
@@ -333,6 +350,7 @@ void AdamW::update(const torch::Tensor& param, const torch::Tensor& gradient, co
         fn(scalars, span.slice(begin, end, type));
       });
     }
+    if (offloaded) param.copy_(low_precision ? param16 : s.master);
   }
   bump_version(param);
   bump_version(s.exp_avg);
@@ -361,7 +379,7 @@ void AdamW::set_state(const torch::Tensor& param, AdamParamState state) {
   }
   ZTRAIN_CHECK(found, "set_state: the tensor is not a parameter of this optimizer");
   check_param(param, "set_state");
-  check_state(state, param, "set_state");
+  check_state(state, param, state_device(param), "set_state");
   state_[ztrain::detail::optimizer_state_key(param)] = std::make_unique<AdamStateEntry>(std::move(state));
 }
 

@@ -63,11 +63,20 @@ ParameterState state_of(torch::optim::Optimizer& optimizer, const torch::Tensor&
 }
 
 void set_state(torch::optim::Optimizer& optimizer, const torch::Tensor& param, ParameterState s) {
-  auto get = [&](const char* name) { return s.tensors.count(name) ? s.tensors.at(name) : torch::Tensor(); };
+  auto* ours = dynamic_cast<AdamW*>(&optimizer);
+  // Where the optimizer keeps the state: beside the parameter, or in host memory (AdamOffload).
+  const auto device = ours ? ours->state_device(param) : param.device();
+  auto get = [&](const char* name) { return s.tensors.count(name) ? s.tensors.at(name).to(device) : torch::Tensor(); };
   const int64_t step = s.step.value_or(0);
-  if (auto* ours = dynamic_cast<AdamW*>(&optimizer)) {
+  if (ours) {
+    // A float32 parameter's master is the parameter itself, kept only where the state is away
+    // from the parameter: state saved with AdamW loads into AdamOffload and back.
+    auto master = get("master");
+    if (param.scalar_type() == torch::kFloat32) {
+      master = device != param.device() ? param.detach().to(device, torch::kFloat32, false, true) : torch::Tensor();
+    }
     ours->set_state(param, {.step = step, .exp_avg = get("exp_avg"), .exp_avg_sq = get("exp_avg_sq"),
-                            .master = get("master")});
+                            .master = master});
     return;
   }
   std::unique_ptr<torch::optim::OptimizerParamState> state;

@@ -1,6 +1,6 @@
 // The engine on the runtime's device (the CPU here; a CUDA device in the .cuda variants, run by
 // scripts/gpu_check.sh): sharded modules move what they wrap onto it, Adam there agrees with the
-// CPU kernels, AdamOffload with AdamW, and a checkpoint saved on the device loads into a CPU
+// CPU kernels, AdamOffload (state in host memory) with AdamW, and a checkpoint saved on the device loads into a CPU
 // context over the same ranks and back.
 #include "test_util.h"
 #include "zero_model.h"
@@ -111,6 +111,15 @@ Trained train(int level, int steps) {
     t.losses.push_back(sum_loss(loss).item<double>());
   }
   t.params = gathered_parameters(*model);
+  for (const auto& p : model->parameters()) {
+    const auto* s = opt.state_of(p);
+    if (s == nullptr) {
+      ADD_FAILURE() << "a parameter without optimizer state";
+      continue;
+    }
+    EXPECT_EQ(s->exp_avg.device(), opt.state_device(p));
+    EXPECT_EQ(s->master.defined(), !p.is_cpu() && opt.state_device(p).is_cpu()) << "a master exactly when offloaded";
+  }
   return t;
 }
 
@@ -119,15 +128,22 @@ struct ModelAdamW : zo::AdamW {
   ModelAdamW(torch::nn::Module& model, zo::AdamOptions options) : zo::AdamW(model.parameters(), options) {}
 };
 
-TEST(Device, AdamOffloadEqualsAdamWBitForBit) {
+// On the CPU AdamOffload runs AdamW's kernel: equal bit for bit. On a device its state is in host
+// memory and its update is the CPU's SIMD kernel, AdamW's libtorch's fused one there: equal to the
+// bounds of Device.AdamThereMatchesTheCpuKernel.
+TEST(Device, AdamOffloadKeepsItsStateOnTheHostAndEqualsAdamW) {
+  const bool cpu = runtime().device().is_cpu();
   for (int level : {0, 3}) {
     SCOPED_TRACE(c10::str("level ", level));
     const auto plain = train<ModelAdamW>(level, 5);
     const auto offload = train<zo::AdamOffload>(level, 5);
-    EXPECT_EQ(plain.losses, offload.losses);
+    for (size_t i = 0; i < plain.losses.size(); ++i) {
+      EXPECT_NEAR(plain.losses[i], offload.losses[i], cpu ? 0.0 : 1e-5 * plain.losses[i]) << "step " << i;
+    }
     ASSERT_EQ(plain.params.size(), offload.params.size());
     for (size_t i = 0; i < plain.params.size(); ++i) {
-      EXPECT_TRUE(tensors_equal(plain.params[i].second, offload.params[i].second)) << plain.params[i].first;
+      EXPECT_TRUE(tensors_equal(plain.params[i].second, offload.params[i].second, cpu ? 0.0 : 1e-5, cpu ? 0.0 : 1e-7))
+          << plain.params[i].first;
     }
   }
 }

@@ -168,6 +168,10 @@ class AdamW : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
+  /// Where the state of `param` lives: beside it (AdamW), or in host memory (AdamOffload).
+  /// State kept away from its parameter always holds an fp32 master.
+  virtual c10::Device state_device(const torch::Tensor& param) const { return param.device(); }
+
   /// The kernel step() runs for CPU parameters.
   AdamKernel kernel() const { return kernel_; }
   /// Threads a large tensor is split over (the calling thread included).

@@ -13,14 +13,18 @@
 /// Plain parameters are updated inside step(). Checkpoints, full_parameter() and the state
 /// accessors wait for every update first.
 ///
-/// The arithmetic is AdamW's, kernel for kernel: the results equal ztrain::optim::AdamW bit for
-/// bit. The optimizer state and the fp32 masters live in host memory by construction (this
-/// build's tensors are CPU tensors), so what it buys on CPU is the overlap: the update of
-/// parameters used late in the forward proceeds on otherwise idle cores while the forward runs
-/// (nothing when every core already runs a compute thread). On a GPU the same schedule would
-/// keep state and masters in host memory, stream each block's gradient down and its new
-/// weights up, and let the host update of block i overlap the device forward of blocks < i;
-/// this build has no device code path, so that use is described, not provided.
+/// The optimizer state lives in host memory (state_device() is the CPU) and the update runs on
+/// the CPU's SIMD kernels, as ZeRO-Offload does:
+/// - CPU parameters: the arithmetic is AdamW's, kernel for kernel (the results equal
+///   ztrain::optim::AdamW bit for bit); what it buys is the overlap — the update of parameters
+///   used late in the forward proceeds on otherwise idle cores while the forward runs (nothing
+///   when every core already runs a compute thread).
+/// - CUDA parameters: moments and an fp32 master of every parameter stay in pinned host memory,
+///   off the GPU (12 bytes per parameter for fp32 and 16-bit alike). Each update copies the
+///   gradient to the host, runs the SIMD kernel there and copies the new weights back, on the
+///   update thread, so the host update of block i overlaps the device forward of blocks < i.
+///   The results equal ztrain::optim::AdamW's on the CPU for the same values bit for bit; they
+///   differ from AdamW on the device (libtorch's fused kernel) in the last bits.
 ///
 /// step() takes the gradients: afterwards every parameter's grad is undefined (as after
 /// zero_grad with set_to_none), so the next backward can never write into a gradient the
@@ -57,6 +61,8 @@ class AdamOffload : public AdamW {
   void wait();
   /// Updates queued or running.
   bool busy() const;
+  /// The CPU, for every parameter.
+  c10::Device state_device(const torch::Tensor& /*param*/) const override { return c10::Device(c10::kCPU); }
 
  protected:
   void sync() const override { const_cast<AdamOffload*>(this)->wait(); }
