@@ -40,6 +40,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/profiler_legacy.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -99,7 +100,7 @@ struct PlainGptImpl : torch::nn::Module {
   torch::Tensor loss(const torch::Tensor& tokens) {
     auto inputs = tokens.slice(1, 0, -1);
     auto& tr = *transformer;
-    auto x = tr.wte(inputs) + tr.wpe(torch::arange(inputs.size(1), torch::kLong));
+    auto x = tr.wte(inputs) + tr.wpe(torch::arange(inputs.size(1), inputs.options()));
     for (const auto& block : *tr.h) x = block->as<zt::models::GptBlock>()->forward(x);
     auto logits = torch::matmul(tr.ln_f(x), tr.wte->weight.t());
     return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
@@ -111,15 +112,23 @@ TORCH_MODULE(PlainGpt);
 
 // ---- measurements ------------------------------------------------------------------------------
 
-/// GFLOP/s of an [m, k] × [k, n] matmul in `dtype` on this thread count: the best of a few
-/// repetitions (at least `min_s` seconds of them).
+/// Waits for the work queued on `device` (kernels run asynchronously on a GPU).
+void synchronize(c10::Device device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+/// GFLOP/s of an [m, k] × [k, n] matmul in `dtype` on the runtime's device (on the CPU, this
+/// thread count): the best of a few repetitions (at least `min_s` seconds of them).
 double matmul_gflops(int64_t m, int64_t k, int64_t n, c10::ScalarType dtype, double min_s = 0.15) {
-  auto a = torch::randn({m, k}).to(dtype), b = torch::randn({k, n}).to(dtype);
+  const auto device = zt::runtime().device();
+  auto a = torch::randn({m, k}).to(device, dtype), b = torch::randn({k, n}).to(device, dtype);
   torch::mm(a, b);  // warm-up (and oneDNN's kernel generation)
+  synchronize(device);
   double best = 0, total = 0;
   for (int rep = 0; rep < 50 && (rep < 3 || total < min_s); ++rep) {
     const auto t0 = Clock::now();
     auto c = torch::mm(a, b);
+    synchronize(device);
     const double dt = seconds_since(t0);
     total += dt;
     best = std::max(best, 2.0 * m * k * n / dt / 1e9);
@@ -174,8 +183,8 @@ json zero_formula(int64_t psi, c10::ScalarType dtype, int level, int n) {
 /// Batches of byte tokens [batch, seq + 1] from a text file.
 class Batches {
  public:
-  Batches(const std::string& path, int64_t seq, int64_t batch, int rank, int ranks)
-      : seq_(seq), batch_(batch), rank_(rank), ranks_(ranks) {
+  Batches(const std::string& path, int64_t seq, int64_t batch, int rank, int ranks, c10::Device device)
+      : seq_(seq), batch_(batch), rank_(rank), ranks_(ranks), device_(device) {
     std::ifstream in(path, std::ios::binary);
     ZTRAIN_CHECK(in, "gpt_bench: cannot read --data ", path);
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -190,12 +199,13 @@ class Batches {
       const int64_t w = ((step * ranks_ + rank_) * batch_ + i) % windows_;
       rows.push_back(data_.slice(0, w * (seq_ + 1), (w + 1) * (seq_ + 1)));
     }
-    return torch::stack(rows);
+    return torch::stack(rows).to(device_);
   }
 
  private:
   int64_t seq_, batch_;
   int rank_, ranks_;
+  c10::Device device_;
   torch::Tensor data_;
   int64_t windows_ = 0;
 };
@@ -212,10 +222,13 @@ struct Args {
   std::string data = "data/tinyshakespeare.txt";
   std::string json_path, profile_path, tag;
   bool probe = false;
+  std::optional<std::string> device;  // not set: ZTRAIN_DEVICE, else the CPU
 };
 
 int run(const Args& a) {
-  auto& rt = zt::init_distributed({.seed = 1234});
+  auto& rt = zt::init_distributed(
+      {.seed = 1234, .device = a.device ? std::optional(zt::parse_device(*a.device, "--device")) : std::nullopt});
+  const auto device = rt.device();
   auto& world = rt.world();
   ZTRAIN_CHECK(a.system == "ztrain" || a.system == "plain", "--system must be ztrain or plain, got ", a.system);
   ZTRAIN_CHECK(a.level >= 0 && a.level <= 3, "--level must be 0..3, got ", a.level);
@@ -233,7 +246,7 @@ int run(const Args& a) {
   ZTRAIN_CHECK(seq >= 1 && seq <= config.context, "--seq must be in [1, context = ", config.context, "], got ", seq);
   const int n = rt.world_size();
   const bool plain = a.system == "plain";
-  const Batches batches(a.data, seq, a.batch, rt.rank(), n);
+  const Batches batches(a.data, seq, a.batch, rt.rank(), n, device);
 
   const json probe = a.probe ? matmul_probe(world, a.batch * seq, config.d_model) : json();
   const auto before = zt::memory_stats(*torch::nn::Sequential());
@@ -243,6 +256,7 @@ int run(const Args& a) {
   std::function<torch::Tensor(const torch::Tensor&)> loss_of;
   if (plain) {
     PlainGpt m(config);
+    m->to(device);
     loss_of = [m](const torch::Tensor& t) mutable { return m->loss(t); };
     module = m.ptr();
   } else {
@@ -279,8 +293,10 @@ int run(const Args& a) {
     const auto t0 = Clock::now();
     for (auto& p : module->parameters()) p.mutable_grad().reset();
     auto loss = loss_of(tokens);
+    synchronize(device);
     const auto t1 = Clock::now();
     loss.backward();
+    synchronize(device);
     const auto t2 = Clock::now();
     Clock::duration untimed{0};
     if (last) {
@@ -288,6 +304,7 @@ int run(const Args& a) {
       untimed = Clock::now() - t2;
     }
     opt.step();
+    synchronize(device);
     const auto t3 = Clock::now() - untimed;
     const double dt = world.all_reduce_scalar(std::chrono::duration<double>(t3 - t0).count(), zt::ReduceOp::kMax);
     const double mean_loss = world.all_reduce_scalar(loss.item<double>(), zt::ReduceOp::kSum) / n;
@@ -350,6 +367,7 @@ int run(const Args& a) {
       {"system", a.system},
       {"level", plain ? json() : json(a.level)},
       {"dtype", a.dtype},
+      {"device", device.str()},
       {"ranks", n},
       {"threads", rt.threads()},
       {"model", {{"vocab", config.vocab_size}, {"context", config.context}, {"d_model", config.d_model},
@@ -404,6 +422,7 @@ int main(int argc, char** argv) try {
   app.add_option("--json", a.json_path, "append the result line to this file");
   app.add_option("--tag", a.tag, "a label copied into the result");
   app.add_flag("--probe", a.probe, "measure the fp32 and bf16 matmul peak first");
+  app.add_option("--device", a.device, "cpu, cuda or cuda:N (default: ZTRAIN_DEVICE, else cpu)");
   app.add_option("--profile", a.profile_path, "write a Chrome trace of one extra step (rank 0)");
   CLI11_PARSE(app, argc, argv);
   return run(a);

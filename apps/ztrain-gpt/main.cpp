@@ -80,7 +80,10 @@ void add_device_option(CLI::App* app, std::optional<std::string>& device) {
 
 /// init_distributed on --device when given.
 zt::Runtime& start(zt::InitOptions options, const std::optional<std::string>& device) {
-  if (device) options.device = zt::parse_device(*device, "--device");
+  if (device) {
+    options.device = zt::parse_device(*device, "--device");
+    zt::resolve_device(*options.device, "--device");  // refused here, naming the option
+  }
   return zt::init_distributed(options);
 }
 
