@@ -4,8 +4,8 @@
 # into build-gpu/ (or $ZTRAIN_BUILD_DIR), runs the GPU test tier (ctest -L gpu: every test
 # registered with GPU, on ZTRAIN_DEVICE=cuda) and gpt_bench on the GPU, and prints a summary.
 #
-# Open MPI, GoogleTest, CLI11 and nlohmann-json come from the system, or, where it has no package
-# registry, from Debian 12 packages in $ZTRAIN_DEBS (made by scripts/gpu_debs.sh elsewhere),
+# Open MPI, GoogleTest, CLI11, nlohmann-json and OpenSSL come from the system, or, where it has no
+# package registry, from Debian 12 packages in $ZTRAIN_DEBS (made by scripts/gpu_debs.sh elsewhere),
 # unpacked into the build directory with dpkg-deb (or ar and tar) and used from there.
 #
 #   ZTRAIN_DEBS=gpu-debs scripts/gpu_check.sh

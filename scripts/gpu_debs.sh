@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Downloads the Debian 12 packages that scripts/gpu_check.sh unpacks on a GPU machine without a
 # package registry: Open MPI (launcher, library, headers) with the libraries it loads, GoogleTest,
-# CLI11 and nlohmann-json. Run on a Debian 12 machine with network; carry DIR along.
+# CLI11, nlohmann-json and OpenSSL's libcrypto. Run on a Debian 12 machine with network; carry
+# DIR along.
 #
 #   scripts/gpu_debs.sh gpu-debs            # then, there: ZTRAIN_DEBS=gpu-debs scripts/gpu_check.sh
 set -euo pipefail
@@ -12,6 +13,7 @@ packages=(
   libucx0 libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 libpsm2-2 libpsm-infinipath1
   libmunge2 libnuma1 libltdl7 libpciaccess0
   libgtest-dev libgmock-dev googletest libcli11-dev nlohmann-json3-dev         # build and tests
+  libssl-dev libssl3                                                           # checkpoint checksums
 )
 mkdir -p "$dir"
 cd "$dir"

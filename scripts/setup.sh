@@ -31,6 +31,7 @@ packages=(
   libopenmpi-dev openmpi-bin   # communication and launch
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
+  libssl-dev                   # SHA-256 of checkpoint files (libcrypto)
 )
 
 missing=()

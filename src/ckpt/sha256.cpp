@@ -2,106 +2,50 @@
 
 #include <ztrain/error.h>
 
-#include <array>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
+#include <openssl/evp.h>
+
 #include <fstream>
+#include <memory>
 #include <vector>
+
+// OpenSSL's libcrypto computes the digests (its assembly kernels use the CPU's SHA extensions).
 
 namespace ztrain::detail {
 
 namespace {
 
-constexpr std::array<uint32_t, 64> kRound = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
-
-uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
-
+/// One SHA-256 computation.
 class Sha256 {
  public:
-  void update(const unsigned char* data, size_t n) {
-    length_ += n;
-    while (n > 0) {
-      const size_t take = std::min(n, 64 - fill_);
-      std::memcpy(block_.data() + fill_, data, take);
-      fill_ += take;
-      data += take;
-      n -= take;
-      if (fill_ == 64) {
-        compress();
-        fill_ = 0;
-      }
-    }
+  Sha256() : ctx_(EVP_MD_CTX_new(), &EVP_MD_CTX_free) {
+    ZTRAIN_CHECK(ctx_ && EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) == 1,
+                 "SHA-256: OpenSSL could not start a digest");
   }
-
+  void update(const void* data, size_t n) {
+    ZTRAIN_CHECK(EVP_DigestUpdate(ctx_.get(), data, n) == 1, "SHA-256: OpenSSL's digest update failed");
+  }
   std::string hex() {
-    const uint64_t bits = length_ * 8;
-    const unsigned char one = 0x80, zero = 0;
-    update(&one, 1);
-    while (fill_ != 56) update(&zero, 1);
-    unsigned char len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(bits >> (56 - 8 * i));
-    update(len, 8);
-    char out[65];
-    for (int i = 0; i < 8; ++i) std::snprintf(out + 8 * i, 9, "%08x", h_[i]);
-    return std::string(out, 64);
+    unsigned char digest[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    ZTRAIN_CHECK(EVP_DigestFinal_ex(ctx_.get(), digest, &n) == 1, "SHA-256: OpenSSL's digest failed");
+    static const char* digits = "0123456789abcdef";
+    std::string out;
+    for (unsigned int i = 0; i < n; ++i) {
+      out.push_back(digits[digest[i] >> 4]);
+      out.push_back(digits[digest[i] & 15]);
+    }
+    return out;
   }
 
  private:
-  void compress() {
-    uint32_t w[64];
-    for (int i = 0; i < 16; ++i) {
-      w[i] = uint32_t(block_[4 * i]) << 24 | uint32_t(block_[4 * i + 1]) << 16 | uint32_t(block_[4 * i + 2]) << 8 |
-             uint32_t(block_[4 * i + 3]);
-    }
-    for (int i = 16; i < 64; ++i) {
-      const uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-      const uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6], h = h_[7];
-    for (int i = 0; i < 64; ++i) {
-      const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[i] + w[i];
-      const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-      h = g;
-      g = f;
-      f = e;
-      e = d + t1;
-      d = c;
-      c = b;
-      b = a;
-      a = t1 + t2;
-    }
-    h_[0] += a;
-    h_[1] += b;
-    h_[2] += c;
-    h_[3] += d;
-    h_[4] += e;
-    h_[5] += f;
-    h_[6] += g;
-    h_[7] += h;
-  }
-
-  std::array<uint32_t, 8> h_ = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                                0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  std::array<unsigned char, 64> block_{};
-  size_t fill_ = 0;
-  uint64_t length_ = 0;
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx_;
 };
 
 }  // namespace
 
 std::string sha256_hex(const std::string& data) {
   Sha256 s;
-  s.update(reinterpret_cast<const unsigned char*>(data.data()), data.size());
+  s.update(data.data(), data.size());
   return s.hex();
 }
 
@@ -112,7 +56,7 @@ std::string sha256_file(const std::string& path) {
   std::vector<char> buf(1 << 20);
   while (in) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    s.update(reinterpret_cast<const unsigned char*>(buf.data()), static_cast<size_t>(in.gcount()));
+    s.update(buf.data(), static_cast<size_t>(in.gcount()));
   }
   return s.hex();
 }

@@ -1,5 +1,5 @@
 #pragma once
-// SHA-256 (FIPS 180-4) of a file, as lowercase hex.
+// SHA-256 (FIPS 180-4) of bytes or a file, as lowercase hex, by OpenSSL's libcrypto.
 
 #include <string>
 

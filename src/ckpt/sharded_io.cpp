@@ -208,7 +208,8 @@ EntrySnapshot snapshot(const std::vector<ShardedEntry>& entries) {
   std::unordered_map<const FlatParamLayout*, const FlatParamLayout*> layouts;
   for (auto e : entries) {
     auto& copy = sources[e.source.unsafeGetTensorImpl()];
-    if (!copy.defined()) copy = e.source.detach().clone();
+    // In host memory, whatever the device: a save in the background holds no device memory.
+    if (!copy.defined()) copy = e.source.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
     e.source = copy;
     if (e.layout) {
       auto& l = layouts[e.layout];

@@ -436,7 +436,7 @@ c10::Allocator* host_shared_allocator() {
 
 torch::Tensor host_shared_empty(at::IntArrayRef sizes, const torch::TensorOptions& options) {
   ZTRAIN_CHECK(options.device().is_cpu(), "host_shared_empty: host-shared memory is CPU memory, got device ",
-               options.device());
+               options.device(), "; allocate device tensors with torch::empty (the communicator stages them)");
   ZTRAIN_CHECK(options.layout() == at::kStrided, "host_shared_empty: only strided tensors, got layout ",
                options.layout());
   auto t = at::detail::empty_generic(sizes, host_shared_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
