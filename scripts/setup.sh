@@ -23,7 +23,9 @@ toolkit_libs=(libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcufft.so.12 l
 # torch's Python dependencies, and numpy and matplotlib for the tests and benchmark reports.
 python_packages=(filelock==3.20.0 typing-extensions==4.15.0 sympy==1.14.0 mpmath==1.3.0
                  networkx==3.5 jinja2==3.1.6 markupsafe==3.0.3 fsspec==2025.10.0 "setuptools<82"
-                 numpy==2.3.5 matplotlib==3.10.7)
+                 numpy==2.3.5 matplotlib==3.10.7
+                 # Hugging Face transformers: a test reference (tests/apps/hf_interop_test.sh) only
+                 transformers==4.57.1 tokenizers==0.22.2 safetensors==0.8.0 huggingface-hub==0.36.2)
 
 packages=(
   build-essential cmake ninja-build git pkg-config ca-certificates
@@ -61,12 +63,15 @@ fi
 venv=${ZTRAIN_VENV:-$root/.venv}
 py=$venv/bin/python
 installed_version() { "$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || true; }
-if [[ $(installed_version) != "$torch_version"* ]]; then
+# What the venv was made with: a venv made from another list is brought up to this one.
+stamp=$venv/.ztrain-packages
+wanted="torch==$torch_version ${python_packages[*]}"
+if [[ $(installed_version) != "$torch_version"* || $(cat "$stamp" 2>/dev/null) != "$wanted" ]]; then
   base=$(command -v python3)
   "$base" -c 'import ensurepip, venv' 2>/dev/null || base=/usr/bin/python3
   [[ -x $py ]] || "$base" -m venv "$venv"
   pip=("$py" -m pip install -q --disable-pip-version-check --no-input)
-  echo "setup: installing PyTorch $torch_version into $venv"
+  echo "setup: installing PyTorch $torch_version and the pinned Python packages into $venv"
   "${pip[@]}" "${python_packages[@]}"
   have_toolkit=1
   loader_cache=$("$(command -v ldconfig || echo /sbin/ldconfig)" -p)
@@ -82,5 +87,6 @@ if [[ $(installed_version) != "$torch_version"* ]]; then
   [[ $(installed_version) == "$torch_version"* ]] || {
     echo "setup: PyTorch $torch_version in $venv does not import:" >&2
     "$py" -c 'import torch' >&2; exit 1; }
+  echo "$wanted" > "$stamp"
 fi
 echo "setup: all dependencies present (PyTorch $(installed_version) in $venv)"

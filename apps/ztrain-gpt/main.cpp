@@ -19,7 +19,9 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
+#include <sstream>
 
 namespace {
 
@@ -132,19 +134,70 @@ json config_json(const GptConfig& c) {
           {"dtype", dtype_name(c.dtype)}};
 }
 
+/// The model's configuration as Hugging Face's GPT2Config (config.json beside model.safetensors),
+/// so that transformers' GPT2LMHeadModel.from_pretrained loads a trained model's directory.
+json hf_config_json(const GptConfig& c) {
+  return {{"architectures", {"GPT2LMHeadModel"}},
+          {"model_type", "gpt2"},
+          {"vocab_size", c.vocab_size},
+          {"n_positions", c.context},
+          {"n_embd", c.d_model},
+          {"n_layer", c.n_layer},
+          {"n_head", c.n_head},
+          {"n_inner", nullptr},
+          {"activation_function", "gelu_new"},
+          {"layer_norm_epsilon", c.layer_norm_eps},
+          {"resid_pdrop", c.dropout},
+          {"embd_pdrop", c.dropout},
+          {"attn_pdrop", c.dropout},
+          {"tie_word_embeddings", true},
+          {"torch_dtype", c.dtype == torch::kBFloat16 ? "bfloat16" : c.dtype == torch::kFloat16 ? "float16" : "float32"}};
+}
+
+/// A GPT2Config (config.json of a Hugging Face model directory) as the model it describes;
+/// refuses what this GPT does not compute the same way.
+GptConfig config_from_hf(const json& j, const std::string& path) {
+  auto check = [&](const char* key, const json& want) {
+    ZTRAIN_CHECK(!j.contains(key) || j.at(key).is_null() || j.at(key) == want, "'", path, "': ", key, " = ",
+                 j.at(key).dump(), " is not supported (this GPT has ", want.dump(), ")");
+  };
+  ZTRAIN_CHECK(j.value("model_type", "") == "gpt2", "'", path, "' is not a GPT-2 configuration (model_type ",
+               j.value("model_type", std::string("missing")), ")");
+  check("activation_function", "gelu_new");
+  check("tie_word_embeddings", true);
+  check("scale_attn_weights", true);
+  check("scale_attn_by_inverse_layer_idx", false);
+  check("add_cross_attention", false);
+  ZTRAIN_CHECK(!j.contains("n_inner") || j.at("n_inner").is_null() || j.at("n_inner") == 4 * j.at("n_embd").get<int64_t>(),
+               "'", path, "': n_inner must be 4 x n_embd");
+  const std::string dtype = j.value("torch_dtype", "float32");
+  return {.vocab_size = j.at("vocab_size"), .context = j.at("n_positions"), .d_model = j.at("n_embd"),
+          .n_layer = j.at("n_layer"), .n_head = j.at("n_head"), .dropout = 0.0,
+          .layer_norm_eps = j.value("layer_norm_epsilon", 1e-5),
+          .dtype = dtype == "bfloat16" ? torch::kBFloat16 : dtype == "float16" ? torch::kFloat16 : torch::kFloat32};
+}
+
 GptConfig config_from_json(const json& j) {
   return {.vocab_size = j.at("vocab_size"), .context = j.at("context"), .d_model = j.at("d_model"),
           .n_layer = j.at("n_layer"), .n_head = j.at("n_head"), .dropout = j.value("dropout", 0.0),
           .layer_norm_eps = j.value("layer_norm_eps", 1e-5), .dtype = parse_dtype(j.value("dtype", "fp32"))};
 }
 
-/// The model of a file written by `train` (its configuration is in the file's metadata) or of a
-/// checkpoint directory (the configuration is in its manifest), ready for inference, replicated
-/// (level 0) on every rank.
+/// The model of a file written by `train` (its configuration is in the file's metadata), of a
+/// checkpoint directory (the configuration is in its manifest) or of a Hugging Face GPT-2
+/// directory (config.json and model.safetensors, as save_pretrained writes them), ready for
+/// inference, replicated (level 0) on every rank.
 Gpt load_model(const std::string& path) {
   GptConfig config;
   std::string file = path;
-  if (fs::is_directory(path)) {
+  if (fs::is_directory(path) && !fs::exists(fs::path(path) / "manifest.json") &&
+      fs::exists(fs::path(path) / "config.json")) {
+    file = path + "/model.safetensors";
+    ZTRAIN_CHECK(fs::exists(file), "'", path, "' has config.json but no model.safetensors (save_pretrained with "
+                 "safe_serialization writes one)");
+    std::ifstream in(path + "/config.json");
+    config = config_from_hf(json::parse(in), path + "/config.json");
+  } else if (fs::is_directory(path)) {
     file = path + "/model.safetensors";
     std::ifstream manifest(path + "/manifest.json");
     ZTRAIN_CHECK(manifest, "'", path, "' is a directory without manifest.json: not a checkpoint");
@@ -354,7 +407,8 @@ int train(TrainArgs a) {
   }
   bar.finish();
   zt::save(model, a.out + "/model.safetensors", {.metadata = {{"ztrain_gpt_config", config_json(config).dump()}}});
-  zt::print_rank("wrote ", a.out, "/model.safetensors and ", a.out, "/metrics.jsonl");
+  if (rt.rank() == 0) std::ofstream(a.out + "/config.json") << hf_config_json(config).dump(2) << "\n";
+  zt::print_rank("wrote ", a.out, "/model.safetensors, config.json and metrics.jsonl");
   return 0;
 }
 
@@ -372,7 +426,8 @@ int eval(const std::string& model_path, const std::string& data, double validati
 /// Mean next-byte cross-entropy (nats) of a file's bytes as one sequence: windows of
 /// context + 1 bytes overlapping by one, so every byte after the first is predicted once, from
 /// the preceding bytes of its window.
-int score(const std::string& model_path, const std::string& input, const std::optional<std::string>& device) {
+int score(const std::string& model_path, const std::string& input, const std::string& logits_path,
+          const std::optional<std::string>& device) {
   auto& rt = start({}, device);
   auto model = load_model(model_path);
   std::ifstream in(input, std::ios::binary);
@@ -391,7 +446,13 @@ int score(const std::string& model_path, const std::string& input, const std::op
     total += model->loss(chunk).item<double>() * (len - 1);
     count += len - 1;
   }
-  zt::print_rank("loss=", c10::str(total / count));
+  std::ostringstream loss;
+  loss << std::setprecision(9) << total / count;
+  zt::print_rank("loss=", loss.str());
+  if (!logits_path.empty() && rt.rank() == 0) {
+    const auto first = tokens.narrow(0, 0, std::min(window, tokens.size(0))).unsqueeze(0);
+    zt::ckpt::save_safetensors(logits_path, {{"logits", model(first).to(torch::kCPU, torch::kFloat32).contiguous()}});
+  }
   return 0;
 }
 
@@ -479,7 +540,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--chunks", t.chunks, "with --schedule interleaved: model chunks per rank")->capture_default_str();
   add_device_option(train_cmd, t.device);
 
-  std::string model_path, data, input, prompt = "\n", metrics, out = ".";
+  std::string model_path, data, input, logits, prompt = "\n", metrics, out = ".";
   double validation_fraction = 0.05, temperature = 0.8;
   int64_t seq = 128, batch = 8, eval_batches = 8, tokens = 200, top_k = 40;
   uint64_t seed = 1;
@@ -496,6 +557,7 @@ int main(int argc, char** argv) {
   auto* score_cmd = app.add_subcommand("score", "mean next-byte cross-entropy (nats) of a file: prints loss=<value>");
   score_cmd->add_option("--model", model_path)->required();
   score_cmd->add_option("--input", input, "the text to score")->required();
+  score_cmd->add_option("--logits", logits, "also write the logits of the first window (fp32) to this safetensors file");
   add_device_option(score_cmd, device);
   auto* sample_cmd = app.add_subcommand("sample", "generate text from a prompt");
   sample_cmd->add_option("--model", model_path)->required();
@@ -517,7 +579,7 @@ int main(int argc, char** argv) {
   try {
     if (*train_cmd) return train(t);
     if (*eval_cmd) return eval(model_path, data, validation_fraction, seq, batch, eval_batches, device);
-    if (*score_cmd) return score(model_path, input, device);
+    if (*score_cmd) return score(model_path, input, logits, device);
     if (*sample_cmd) return sample(model_path, prompt, tokens, temperature, top_k, seed, device);
     if (*plot_cmd) return plot(metrics, out);
   } catch (const std::exception& e) {
