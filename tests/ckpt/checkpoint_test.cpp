@@ -41,18 +41,9 @@ struct Trainer {
   }
 };
 
-std::string shared_root(const std::string& stem) {
-  std::string dir;
-  if (runtime().rank() == 0) {
-    dir = (fs::temp_directory_path() / c10::str("ztrain_ckpt_", stem, "_", ::getpid())).string();
-    fs::remove_all(dir);
-  }
-  return runtime().world().broadcast_bytes(dir, 0);
-}
-
 TEST(Checkpoint, ResumeContinuesBitForBit) {
   ASSERT_EQ(world_size(), expected_world_size());
-  const auto root = shared_root("resume");
+  const auto root = shared_temp_dir("ckpt_resume");
   torch::manual_seed(100 + rank());
   Trainer reference(1);
   reference.train(5);
@@ -79,7 +70,7 @@ TEST(Checkpoint, ResumeContinuesBitForBit) {
 // that file is complete, and resumes like a synchronous one.
 TEST(Checkpoint, AsyncSaveResumesBitForBitAndPublishesLast) {
   ASSERT_EQ(world_size(), expected_world_size());
-  const auto root = shared_root("async");
+  const auto root = shared_temp_dir("ckpt_async");
   torch::manual_seed(100 + rank());
   Trainer reference(1);
   reference.train(5);
@@ -135,7 +126,7 @@ TEST(Checkpoint, AsyncSaveResumesBitForBitAndPublishesLast) {
 }
 
 TEST(Checkpoint, CorruptOrMissingFilesAreNamed) {
-  const auto root = shared_root("corrupt");
+  const auto root = shared_temp_dir("ckpt_corrupt");
   Trainer t(1);
   t.train(1);
   const auto dir = save_checkpoint(root, 1, t.state());
@@ -160,7 +151,7 @@ TEST(Checkpoint, CorruptOrMissingFilesAreNamed) {
 }
 
 TEST(Checkpoint, IncompleteSavesAreIgnoredAndOldOnesPruned) {
-  const auto root = shared_root("atomic");
+  const auto root = shared_temp_dir("ckpt_atomic");
   Trainer t(1);
   for (int s : {1, 2, 3}) save_checkpoint(root, s, t.state(), "{}", {.keep_last = 2});
   synchronize();

@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -18,6 +21,17 @@ inline const std::vector<int64_t> kSizes = {0, 1, 17, 1023, 1 << 20};
 inline const std::vector<c10::ScalarType> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16,
                                                      torch::kFloat16, torch::kInt32,   torch::kInt64,
                                                      torch::kUInt8,   torch::kBool};
+
+/// A fresh directory path under the temporary directory, named by rank 0 from `stem` and its
+/// process id and the same on every rank (collective over the world); not created.
+inline std::string shared_temp_dir(const std::string& stem) {
+  std::string dir;
+  if (runtime().rank() == 0) {
+    dir = (std::filesystem::temp_directory_path() / c10::str("ztrain_", stem, "_", ::getpid())).string();
+    std::filesystem::remove_all(dir);
+  }
+  return runtime().world().broadcast_bytes(dir, 0);
+}
 
 /// The world size the test was registered for (ZTRAIN_TEST_WORLD_SIZE, set by ztrain_add_test).
 inline int expected_world_size() {

@@ -1,13 +1,11 @@
 // The engine on the runtime's device (the CPU here; a CUDA device in the .cuda variants, run by
 // scripts/gpu_check.sh): sharded modules move what they wrap onto it, Adam there agrees with the
-// CPU kernels, AdamOffload (state in host memory) with AdamW, and a checkpoint saved on the device loads into a CPU
-// context over the same ranks and back.
+// CPU kernels, AdamOffload (state in host memory) with AdamW, and a checkpoint saved on the
+// device loads into a CPU context over the same ranks and back.
 #include "test_util.h"
 #include "zero_model.h"
 
 #include <filesystem>
-
-#include <unistd.h>
 
 namespace ztrain::test {
 namespace {
@@ -17,15 +15,6 @@ namespace zo = ztrain::optim;
 
 constexpr int64_t kBatch = 4;
 constexpr int64_t kSeq = 8;
-
-std::string shared_root(const std::string& stem) {
-  std::string dir;
-  if (runtime().rank() == 0) {
-    dir = (fs::temp_directory_path() / c10::str("ztrain_device_", stem, "_", ::getpid())).string();
-    fs::remove_all(dir);
-  }
-  return runtime().world().broadcast_bytes(dir, 0);
-}
 
 /// This rank's slice of batch `step`, on `device`.
 torch::Tensor local_batch(int64_t step, c10::Device device) {
@@ -180,7 +169,7 @@ void expect_same_params(Trainer& a, Trainer& b) {
 }
 
 TEST(Device, CheckpointSavedOnTheDeviceLoadsOnTheCpuAndBack) {
-  const auto root = shared_root("round_trip");
+  const auto root = shared_temp_dir("device_round_trip");
   auto cpu = default_context().split(0, {.name = "cpu", .device = c10::Device(c10::kCPU)});
   ASSERT_TRUE(cpu->device().is_cpu());
 
