@@ -13,6 +13,8 @@ set; torchrun is not used) that train over gloo:
   fsdp2      FSDP2 (torch.distributed.fsdp.fully_shard, PyTorch 2.x): each transformer block is a
              unit, the embeddings and final LayerNorm the root unit; parameters, gradients and
              optimizer state sharded (ZeRO-3), torch.optim.AdamW on the shards
+  eager      the model as it is, no data parallelism (each rank trains alone): with --device cuda
+             and one rank, PyTorch eager's single-GPU step (scripts/gpu_check.sh)
 bf16: for ddp and ddp_zero PyTorch's autocast on the CPU (fp32 parameters, gradients and
 optimizer, the forward and loss under torch.autocast("cpu", bfloat16)); for fsdp2 its own mixed
 precision (MixedPrecisionPolicy: fp32 shards, parameters gathered and computed in bf16, gradients
@@ -47,6 +49,7 @@ PRESETS = {  # ztrain::models::GptConfig::preset
     "tiny": dict(vocab=256, context=64, d_model=64, layers=2, heads=2),
     "small": dict(vocab=256, context=256, d_model=256, layers=4, heads=4),
     "medium": dict(vocab=256, context=512, d_model=512, layers=8, heads=8),
+    "gpt2": dict(vocab=50257, context=1024, d_model=768, layers=12, heads=12),
 }
 
 
@@ -181,6 +184,8 @@ def state_bytes(tensors):
 
 def wrap(a, model, n):
     """The model as the system trains it: DDP, or FSDP2 units (each block, then the root)."""
+    if a.system == "eager":
+        return model
     if a.system != "fsdp2":
         return torch.nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
@@ -202,7 +207,8 @@ def train(a):
         if getattr(a, k) is not None:
             c[k] = getattr(a, k)
     seq = a.seq or c["context"]
-    model = Gpt(c)
+    device = torch.device(a.device)
+    model = Gpt(c).to(device)
     params = sum(p.numel() for p in model.parameters())
     ddp = wrap(a, model, n)
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -214,24 +220,28 @@ def train(a):
         opt = torch.optim.AdamW(ddp.parameters(), **hyper)
         inner = opt
     at = batches(a.data, seq, a.batch, rank, n)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16" and a.system != "fsdp2")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16" and a.system != "fsdp2")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # kernels run asynchronously
 
     step_s, phases, losses, held = [], {"forward": [], "backward": [], "optimizer": []}, [], {}
     for step in range(a.warmup + a.steps):
-        tokens = at(step)
+        tokens = at(step).to(device)
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with autocast:
             loss = ddp(tokens)
+        sync()
         t1 = time.perf_counter()
         loss.backward()
+        sync()
         t2 = time.perf_counter()
         if step + 1 == a.warmup + a.steps:  # model state: parameters, gradients, optimizer state
             held = {"parameter": state_bytes(model.parameters()),
                     "gradient": state_bytes(p.grad for p in model.parameters()),
                     "optimizer": state_bytes(v for s in inner.state.values() for v in s.values())}
         opt.step()
+        sync()
         t3 = time.perf_counter()
         dt = torch.tensor([t3 - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
@@ -253,7 +263,8 @@ def train(a):
     median = statistics.median(step_s)
     tokens_per_step = a.batch * seq * n
     out = {
-        "bench": "gpt", "tag": a.tag, "system": a.system, "level": None, "dtype": a.dtype, "ranks": n,
+        "bench": "gpt", "tag": a.tag, "system": a.system, "level": None, "dtype": a.dtype, "device": a.device,
+        "ranks": n,
         "threads": torch.get_num_threads(),
         "model": {"vocab": c["vocab"], "context": c["context"], "d_model": c["d_model"], "layers": c["layers"],
                   "heads": c["heads"], "preset": a.preset},
@@ -309,7 +320,8 @@ def launch(a, argv):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--system", choices=["ddp", "ddp_zero", "fsdp2"], default="ddp")
+    p.add_argument("--system", choices=["ddp", "ddp_zero", "fsdp2", "eager"], default="ddp")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda with --system eager")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
@@ -330,6 +342,8 @@ def main():
     p.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:]
     a = p.parse_args(argv)
+    if a.device != "cpu" and a.system != "eager":
+        p.error("--device cuda runs --system eager (the peers' process groups are gloo's, on the CPU)")
     if a.check:
         return check()
     if a.rank_process:

@@ -65,7 +65,8 @@ set -e
 tail -25 "$log/ctest.log"
 
 # gpt_bench on the GPU: plain libtorch and ztrain at levels 0 and 3, a GPT-2-124M-sized model in
-# bf16 and the small preset in fp32, on byte data made from the repository's own text.
+# bf16 and the small preset in fp32, on byte data made from the repository's own text; and the
+# same two in PyTorch eager (bench/peer_torch.py --system eager).
 corpus=$build/gpu_check/corpus.txt
 cat "$root"/docs/*.md "$root"/src/*/*.cpp "$root"/include/ztrain/*/*.h > "$corpus"
 bench=$build/bench/gpt_bench
@@ -75,12 +76,18 @@ run_bench() {
   "$bench" --device cuda --data "$corpus" --steps 10 --warmup 3 --json "$results" "$@" > /dev/null \
     2>> "$log/bench.log" || echo "gpu_check: gpt_bench $* failed ($log/bench.log)"
 }
+run_peer() {  # PyTorch eager on the GPU, the same model and batches
+  "$python" "$root/bench/peer_torch.py" --system eager --device cuda --data "$corpus" --steps 10 --warmup 3 \
+    --json "$results" "$@" > /dev/null 2>> "$log/bench.log" || echo "gpu_check: peer_torch $* failed ($log/bench.log)"
+}
 for system in "--system plain" "--level 0" "--level 3"; do
   # shellcheck disable=SC2086
   run_bench $system --preset gpt2 --dtype bf16 --batch 8 --seq 256 --probe --tag gpt2-bf16
   # shellcheck disable=SC2086
   run_bench $system --preset small --dtype fp32 --batch 8 --tag small-fp32
 done
+run_peer --preset gpt2 --dtype bf16 --batch 8 --seq 256 --tag gpt2-bf16
+run_peer --preset small --dtype fp32 --batch 8 --tag small-fp32
 
 echo
 echo "gpu_check: summary ($gpu, PyTorch $torch_version)"
