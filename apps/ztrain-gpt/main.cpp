@@ -9,6 +9,7 @@
 #include "data.h"
 #include "plot.h"
 #include "progress.h"
+#include "tensorboard.h"
 
 #include <ztrain/ztrain.h>
 
@@ -70,6 +71,7 @@ struct TrainArgs {
   int chunks = 2;                        // per rank, with the interleaved schedule
   bool offload = false;
   std::optional<std::string> device;  // not set: ZTRAIN_DEVICE, else the CPU
+  std::string tensorboard;            // event files' directory; empty: none
 };
 
 const std::vector<std::string> kLrSchedules{"cosine", "linear", "wsd", "constant"};
@@ -370,7 +372,11 @@ int train(TrainArgs a) {
                  corpus.train_size(), " train / ", corpus.validation_size(), " validation bytes)");
 
   std::optional<zt::gpt_app::MetricsLog> metrics;
-  if (rt.rank() == 0) metrics.emplace(a.out + "/metrics.jsonl");
+  std::optional<zt::gpt_app::TensorBoardWriter> tensorboard;
+  if (rt.rank() == 0) {
+    metrics.emplace(a.out + "/metrics.jsonl");
+    if (!a.tensorboard.empty()) tensorboard.emplace(a.tensorboard);
+  }
   std::ostream discard(nullptr);  // other ranks' progress goes nowhere
   zt::gpt_app::ProgressBar bar(a.steps, zt::gpt_app::stdout_is_terminal() && rt.rank() == 0, {.start_step = step},
                                rt.rank() == 0 ? std::cout : discard);
@@ -397,6 +403,15 @@ int train(TrainArgs a) {
       bar.print(c10::str("step ", step + 1, ": validation loss ", extra["val_loss"].get<double>()));
     }
     if (metrics) metrics->write(step + 1, m, extra);
+    if (tensorboard) {
+      for (const auto& [tag, value] : {std::pair<const char*, double>{"loss", m.loss}, {"lr", m.lr},
+                                       {"tokens_per_s", m.tokens_per_s}, {"mem_bytes", static_cast<double>(m.mem_bytes)},
+                                       {"grad_norm", norm}, {"loss_scale", mgr.loss_scale()}}) {
+        tensorboard->scalar(tag, step + 1, value);
+      }
+      if (extra.contains("val_loss")) tensorboard->scalar("val_loss", step + 1, extra["val_loss"].get<double>());
+      tensorboard->flush();
+    }
     bar.update(step + 1, m);
     if (a.ckpt_interval > 0 && (step + 1) % a.ckpt_interval == 0) {
       const auto dir = zt::save_checkpoint(ckpt_dir, step + 1, state,
@@ -539,6 +554,8 @@ int main(int argc, char** argv) {
                         "with --pp: micro-batches of --batch sequences per step (default 2 x pp)");
   train_cmd->add_option("--chunks", t.chunks, "with --schedule interleaved: model chunks per rank")->capture_default_str();
   add_device_option(train_cmd, t.device);
+  train_cmd->add_option("--tensorboard", t.tensorboard,
+                        "also write the metrics as TensorBoard event files into this directory");
 
   std::string model_path, data, input, logits, prompt = "\n", metrics, out = ".";
   double validation_fraction = 0.05, temperature = 0.8;

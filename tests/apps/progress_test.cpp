@@ -1,6 +1,7 @@
-// ztrain-gpt progress: formatting helpers, the interactive and plain progress display, and the
-// JSONL metrics log with its reader.
+// ztrain-gpt progress: formatting helpers, the interactive and plain progress display, the JSONL
+// metrics log with its reader, and the TensorBoard writer's checksum.
 #include "progress.h"
+#include "tensorboard.h"
 #include "test_util.h"
 
 #include <unistd.h>
@@ -179,6 +180,13 @@ TEST_F(MetricsFile, NamesTheFileAndLineOfABadRecord) {
   EXPECT_EQ(read_metrics(path.string()).size(), 2u);
   EXPECT_NE(error_message([&] { read_metrics((dir_ / "missing.jsonl").string()); }).find("cannot open"),
             std::string::npos);
+}
+
+// The checksum of TFRecord frames: CRC-32C's check value (RFC 3720), and the empty input. The
+// event files as a whole are checked by TensorBoard's own reader (tensorboard_test.sh).
+TEST(TensorBoard, Crc32cMatchesTheStandardCheckValue) {
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(crc32c("", 0), 0u);
 }
 
 }  // namespace
