@@ -72,13 +72,15 @@ cat "$root"/docs/*.md "$root"/src/*/*.cpp "$root"/include/ztrain/*/*.h > "$corpu
 bench=$build/bench/gpt_bench
 results=$log/bench.jsonl
 : > "$results"
+bench_failures=0
 run_bench() {
   "$bench" --device cuda --data "$corpus" --steps 10 --warmup 3 --json "$results" "$@" > /dev/null \
-    2>> "$log/bench.log" || echo "gpu_check: gpt_bench $* failed ($log/bench.log)"
+    2>> "$log/bench.log" || { echo "gpu_check: gpt_bench $* failed ($log/bench.log)"; bench_failures=$((bench_failures + 1)); }
 }
 run_peer() {  # PyTorch eager on the GPU, the same model and batches
   "$python" "$root/bench/peer_torch.py" --system eager --device cuda --data "$corpus" --steps 10 --warmup 3 \
-    --json "$results" "$@" > /dev/null 2>> "$log/bench.log" || echo "gpu_check: peer_torch $* failed ($log/bench.log)"
+    --json "$results" "$@" > /dev/null 2>> "$log/bench.log" ||
+    { echo "gpu_check: peer_torch $* failed ($log/bench.log)"; bench_failures=$((bench_failures + 1)); }
 }
 for system in "--system plain" "--level 0" "--level 3"; do
   # shellcheck disable=SC2086
@@ -92,6 +94,10 @@ run_peer --preset small --dtype fp32 --batch 8 --tag small-fp32
 echo
 echo "gpu_check: summary ($gpu, PyTorch $torch_version)"
 grep -E "tests passed|tests failed" "$log/ctest.log" || echo "  ctest printed no summary"
+# A GPU test that did not run is not a pass: the check fails then, as when a benchmark failed.
+skipped=$(grep -c '\*\*\*Skipped' "$log/ctest.log" || true)
+((skipped == 0)) || { echo "  $skipped GPU tests did not run (skipped: no CUDA device visible to them)"; tests_rc=1; }
+((bench_failures == 0)) || { echo "  $bench_failures benchmark runs failed ($log/bench.log)"; tests_rc=1; }
 "$python" - "$results" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
