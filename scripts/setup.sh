@@ -24,9 +24,10 @@ toolkit_libs=(libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcufft.so.12 l
 python_packages=(filelock==3.20.0 typing-extensions==4.15.0 sympy==1.14.0 mpmath==1.3.0
                  networkx==3.5 jinja2==3.1.6 markupsafe==3.0.3 fsspec==2025.10.0 "setuptools<82"
                  numpy==2.3.5 matplotlib==3.10.7
-                 # test references only: Hugging Face transformers (tests/apps/hf_interop_test.sh) and
-                 # TensorBoard's event reader (tests/apps/tensorboard_test.sh)
-                 transformers==4.57.1 tokenizers==0.22.2 safetensors==0.8.0 huggingface-hub==0.36.2
+                 # test references only: Hugging Face transformers (tests/apps/hf_interop_test.sh),
+                 # tokenizers and sentencepiece (tests/apps/tokenizer_test.sh) and TensorBoard's event
+                 # reader (tests/apps/tensorboard_test.sh)
+                 transformers==4.57.1 tokenizers==0.22.2 safetensors==0.8.0 huggingface-hub==0.36.2 sentencepiece==0.2.1
                  tensorboard==2.20.0 protobuf==7.36.2 grpcio==1.85.3 absl-py==2.5.1)
 
 packages=(
@@ -36,6 +37,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
   libssl-dev                   # SHA-256 of checkpoint files (libcrypto)
+  libpcre2-dev libsentencepiece-dev  # tokenizers: pre-tokenizer expressions, SentencePiece models
 )
 
 missing=()

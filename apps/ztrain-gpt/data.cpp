@@ -1,4 +1,4 @@
-// Byte corpus, training sampler and validation windows.
+// Corpus, token files, training sampler and validation windows.
 //
 // How the sampler draws a step
 // ----------------------------
@@ -13,8 +13,18 @@
 
 #include <ztrain/error.h>
 
+#include <openssl/evp.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -61,52 +71,195 @@ std::vector<fs::path> corpus_files(const fs::path& dir) {
 
 }  // namespace
 
-// ---- ByteCorpus ------------------------------------------------------------------------------
+// ---- Corpus --------------------------------------------------------------------------------------
 
-ByteCorpus ByteCorpus::load(const std::string& path, double validation_fraction) {
+std::vector<fs::path> list_corpus(const std::string& path) {
   const fs::path p(path);
   std::error_code ec;
   const auto status = fs::status(p, ec);
   ZTRAIN_CHECK(fs::exists(status), "corpus path ", path, " does not exist; pass a text file or a directory of them");
-  std::string bytes;
-  std::vector<std::string> names;
   if (fs::is_directory(status)) {
-    const auto files = corpus_files(p);
+    auto files = corpus_files(p);
     ZTRAIN_CHECK(!files.empty(), "corpus directory ", path,
                  " contains no regular files (hidden files are skipped); put text files in it");
-    for (const auto& f : files) {
-      bytes += read_file(f);
-      names.push_back(f.string());
+    return files;
+  }
+  ZTRAIN_CHECK(fs::is_regular_file(status), "corpus path ", path, " is neither a regular file nor a directory");
+  return {p};
+}
+
+namespace {
+
+// Token files: a 64-byte header, then `count` ids of `width` bytes, little-endian.
+constexpr char kTokenMagic[8] = {'Z', 'T', 'T', 'O', 'K', 'E', 'N', '1'};
+struct TokenHeader {
+  char magic[8];
+  uint32_t width;
+  uint32_t reserved;
+  uint64_t count;
+  uint64_t vocab_size;
+  unsigned char key[32];
+};
+static_assert(sizeof(TokenHeader) == 64);
+
+std::string hex(const unsigned char* bytes, size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < n; ++i) out += digits[bytes[i] >> 4], out += digits[bytes[i] & 15];
+  return out;
+}
+
+/// SHA-256 of what the token file depends on: the tokenizer's kind and file, and the corpus'
+/// files (their sizes and bytes, in order).
+std::array<unsigned char, 32> cache_key(const std::vector<fs::path>& files, const Tokenizer& tokenizer) {
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  ZTRAIN_CHECK(ctx && EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) == 1, "cannot start SHA-256 (libcrypto)");
+  auto update = [&](const std::string& bytes) {
+    const uint64_t n = bytes.size();
+    EVP_DigestUpdate(ctx.get(), &n, sizeof(n));
+    EVP_DigestUpdate(ctx.get(), bytes.data(), bytes.size());
+  };
+  update("ztrain token file 1 " + tokenizer.kind());
+  update(read_file(tokenizer.path()));
+  for (const auto& f : files) update(read_file(f));
+  std::array<unsigned char, 32> key{};
+  unsigned int n = 0;
+  EVP_DigestFinal_ex(ctx.get(), key.data(), &n);
+  return key;
+}
+
+/// Encodes `files` into a new token file at `target` (written aside, then renamed).
+void write_token_file(const std::vector<fs::path>& files, const Tokenizer& tokenizer,
+                      const std::array<unsigned char, 32>& key, const fs::path& target) {
+  const int width = tokenizer.vocab_size() <= 65536 ? 2 : 4;
+  const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
+  std::ofstream out(tmp, std::ios::binary);
+  ZTRAIN_CHECK(out, "cannot write the token file ", tmp.string(), "; pass a writable --token-cache");
+  TokenHeader h{};
+  std::copy(std::begin(kTokenMagic), std::end(kTokenMagic), h.magic);
+  h.width = width;
+  h.vocab_size = tokenizer.vocab_size();
+  std::copy(key.begin(), key.end(), h.key);
+  out.write(reinterpret_cast<const char*>(&h), sizeof(h));
+  uint64_t count = 0;
+  std::vector<uint16_t> narrow;
+  for (const auto& f : files) {
+    const auto ids = tokenizer.encode(read_file(f));
+    count += ids.size();
+    if (width == 4) {
+      out.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 4));
+    } else {
+      narrow.assign(ids.begin(), ids.end());
+      out.write(reinterpret_cast<const char*>(narrow.data()), static_cast<std::streamsize>(narrow.size() * 2));
     }
-  } else {
-    ZTRAIN_CHECK(fs::is_regular_file(status), "corpus path ", path, " is neither a regular file nor a directory");
-    bytes = read_file(p);
-    names.push_back(path);
+  }
+  h.count = count;
+  out.seekp(0);
+  out.write(reinterpret_cast<const char*>(&h), sizeof(h));
+  out.close();
+  ZTRAIN_CHECK(out, "error while writing the token file ", tmp.string(), " (disk full?)");
+  std::error_code ec;
+  fs::rename(tmp, target, ec);
+  ZTRAIN_CHECK(!ec, "cannot publish the token file ", target.string(), ": ", ec.message());
+}
+
+}  // namespace
+
+Corpus Corpus::load(const std::string& path, double validation_fraction) {
+  const auto files = list_corpus(path);
+  std::string bytes;
+  std::vector<std::string> names;
+  for (const auto& f : files) {
+    bytes += read_file(f);
+    names.push_back(f.string());
   }
   auto corpus = from_bytes(std::move(bytes), validation_fraction, path);
   corpus.files_ = std::move(names);
   return corpus;
 }
 
-ByteCorpus ByteCorpus::from_bytes(std::string bytes, double validation_fraction, std::string source) {
+Corpus Corpus::load(const std::string& path, const Tokenizer& tokenizer, double validation_fraction,
+                    const std::string& cache_dir) {
+  if (tokenizer.kind() == "bytes") return load(path, validation_fraction);
   ZTRAIN_CHECK(std::isfinite(validation_fraction) && validation_fraction >= 0 && validation_fraction < 1,
                "validation_fraction must be in [0, 1), got ", validation_fraction);
-  ZTRAIN_CHECK(!bytes.empty(), "corpus ", source, " is empty; it needs text to train on");
-  ByteCorpus c;
-  const auto n = static_cast<int64_t>(bytes.size());
-  const auto validation = static_cast<int64_t>(std::llround(static_cast<double>(n) * validation_fraction));
-  c.bytes_ = std::move(bytes);
-  c.train_size_ = n - std::clamp<int64_t>(validation, 0, n - 1);
-  c.source_ = std::move(source);
+  const auto files = list_corpus(path);
+  const auto key = cache_key(files, tokenizer);
+  std::error_code ec;
+  fs::create_directories(cache_dir, ec);
+  ZTRAIN_CHECK(!ec, "cannot create the token cache directory ", cache_dir, ": ", ec.message());
+  const fs::path file = fs::path(cache_dir) / (hex(key.data(), 16) + ".tokens");
+  if (!fs::exists(file)) write_token_file(files, tokenizer, key, file);
+
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  ZTRAIN_CHECK(fd >= 0, "cannot open the token file ", file.string(), ": ", std::strerror(errno));
+  struct stat st {};
+  ::fstat(fd, &st);
+  const auto bytes = static_cast<size_t>(st.st_size);
+  void* map = bytes >= sizeof(TokenHeader) ? ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+  ::close(fd);
+  ZTRAIN_CHECK(map != MAP_FAILED, "token file ", file.string(), " is not a token file (", bytes,
+               " bytes); delete it to tokenize again");
+  Corpus c;
+  c.storage_ = std::shared_ptr<const void>(map, [bytes](const void* p) { ::munmap(const_cast<void*>(p), bytes); });
+  TokenHeader h;
+  std::memcpy(&h, map, sizeof(h));
+  const bool valid = std::equal(std::begin(kTokenMagic), std::end(kTokenMagic), h.magic) && (h.width == 2 || h.width == 4) &&
+                     bytes == sizeof(h) + h.count * h.width && std::equal(key.begin(), key.end(), h.key) &&
+                     static_cast<int64_t>(h.vocab_size) == tokenizer.vocab_size();
+  ZTRAIN_CHECK(valid, "token file ", file.string(), " is damaged or was not written for this corpus and tokenizer; "
+               "delete it to tokenize again");
+  ZTRAIN_CHECK(h.count > 0, "corpus ", path, " gives no tokens; it needs text to train on");
+  c.data_ = static_cast<const uint8_t*>(map) + sizeof(h);
+  c.width_ = static_cast<int>(h.width);
+  c.size_ = static_cast<int64_t>(h.count);
+  c.vocab_size_ = tokenizer.vocab_size();
+  for (const auto& f : files) c.files_.push_back(f.string());
+  c.source_ = path;
+  c.cache_file_ = file.string();
+  c.split(validation_fraction);
   return c;
 }
 
-void ByteCorpus::check_sequence_length(int64_t seq) const {
+Corpus Corpus::from_bytes(std::string bytes, double validation_fraction, std::string source) {
+  ZTRAIN_CHECK(std::isfinite(validation_fraction) && validation_fraction >= 0 && validation_fraction < 1,
+               "validation_fraction must be in [0, 1), got ", validation_fraction);
+  ZTRAIN_CHECK(!bytes.empty(), "corpus ", source, " is empty; it needs text to train on");
+  Corpus c;
+  auto owned = std::make_shared<const std::string>(std::move(bytes));
+  c.data_ = reinterpret_cast<const uint8_t*>(owned->data());
+  c.size_ = static_cast<int64_t>(owned->size());
+  c.storage_ = std::move(owned);
+  c.source_ = std::move(source);
+  c.split(validation_fraction);
+  return c;
+}
+
+void Corpus::split(double validation_fraction) {
+  const auto validation = static_cast<int64_t>(std::llround(static_cast<double>(size_) * validation_fraction));
+  train_size_ = size_ - std::clamp<int64_t>(validation, 0, size_ - 1);
+}
+
+void Corpus::copy(int64_t begin, int64_t n, int64_t* out) const {
+  ZTRAIN_INTERNAL_ASSERT(begin >= 0 && n >= 0 && begin + n <= size_, "tokens [", begin, ", ", begin + n,
+                         ") outside a corpus of ", size_);
+  if (width_ == 1) {
+    std::copy_n(data_ + begin, n, out);
+  } else if (width_ == 2) {
+    uint16_t v;
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&v, data_ + 2 * (begin + i), 2), out[i] = v;
+  } else {
+    uint32_t v;
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&v, data_ + 4 * (begin + i), 4), out[i] = v;
+  }
+}
+
+void Corpus::check_sequence_length(int64_t seq) const {
   ZTRAIN_CHECK(seq >= 1, "sequence length must be at least 1, got ", seq);
   ZTRAIN_CHECK(train_size() >= seq + 1, "the training split of corpus ", source_, " has ", train_size(),
-               " bytes, fewer than one window of seq + 1 = ", seq + 1, "; use a shorter sequence or more data");
+               " tokens, fewer than one window of seq + 1 = ", seq + 1, "; use a shorter sequence or more data");
   ZTRAIN_CHECK(validation_size() == 0 || validation_size() >= seq + 1, "the validation split of corpus ", source_,
-               " has ", validation_size(), " bytes, fewer than one window of seq + 1 = ", seq + 1,
+               " has ", validation_size(), " tokens, fewer than one window of seq + 1 = ", seq + 1,
                "; raise the validation fraction, set it to 0, or use a shorter sequence");
 }
 
@@ -211,17 +364,14 @@ std::vector<int64_t> Sampler::window_starts(int64_t step) const {
   return starts;
 }
 
-torch::Tensor Sampler::next(const ByteCorpus& corpus) {
+torch::Tensor Sampler::next(const Corpus& corpus) {
   ZTRAIN_CHECK(corpus.train_size() == num_tokens_, "the sampler was built for a training split of ", num_tokens_,
                " tokens, but corpus ", corpus.source(), " has ", corpus.train_size());
   const int64_t window = seq_ + 1;
   const auto starts = window_starts(step_);
   auto batch = torch::empty({batch_per_rank_, window}, torch::kInt64);
   int64_t* out = batch.data_ptr<int64_t>();
-  const uint8_t* data = corpus.train_data();
-  for (int64_t i = 0; i < batch_per_rank_; ++i) {
-    std::copy_n(data + starts[i], window, out + i * window);
-  }
+  for (int64_t i = 0; i < batch_per_rank_; ++i) corpus.copy(starts[i], window, out + i * window);
   ++step_;
   return batch;
 }
@@ -247,7 +397,7 @@ void Sampler::set_state(const SamplerState& s) {
 
 // ---- validation ------------------------------------------------------------------------------
 
-std::vector<torch::Tensor> validation_batches(const ByteCorpus& corpus, int64_t seq, int64_t batch,
+std::vector<torch::Tensor> validation_batches(const Corpus& corpus, int64_t seq, int64_t batch,
                                               std::optional<int64_t> max_batches) {
   ZTRAIN_CHECK(seq >= 1, "sequence length must be at least 1, got ", seq);
   ZTRAIN_CHECK(batch >= 1, "validation batch must be at least 1, got ", batch);
@@ -261,13 +411,12 @@ std::vector<torch::Tensor> validation_batches(const ByteCorpus& corpus, int64_t 
   if (max_batches) batches = std::min(batches, *max_batches);
   std::vector<torch::Tensor> out;
   out.reserve(batches);
-  const uint8_t* data = corpus.validation_data();
   for (int64_t b = 0; b < batches; ++b) {
     const int64_t rows = std::min(batch, windows - b * batch);
     auto t = torch::empty({rows, window}, torch::kInt64);
     int64_t* dst = t.data_ptr<int64_t>();
     for (int64_t r = 0; r < rows; ++r) {
-      std::copy_n(data + (b * batch + r) * seq, window, dst + r * window);
+      corpus.copy(corpus.train_size() + (b * batch + r) * seq, window, dst + r * window);
     }
     out.push_back(std::move(t));
   }

@@ -1,11 +1,13 @@
 #pragma once
-/// Byte-level text data for ztrain-gpt: a corpus of bytes (vocabulary 256), a deterministic
-/// data-parallel sampler of training windows, and sequential validation windows.
+/// Text data for ztrain-gpt: a corpus of tokens (bytes, or the ids of a tokenizer, cached in a
+/// memory-mapped token file), a deterministic data-parallel sampler of training windows, and
+/// sequential validation windows.
 ///
-/// Tokens are bytes, kept as uint8 in memory; a batch is widened to int64 only when it is made.
-/// A batch row holds `seq + 1` tokens: inputs are row[:seq], targets row[1:].
+/// Tokens stay in their narrowest width in memory (1, 2 or 4 bytes); a batch is widened to int64
+/// only when it is made. A batch row holds `seq + 1` tokens: inputs are row[:seq], targets row[1:].
 ///
-///   auto corpus = ByteCorpus::load("data/shakespeare.txt", 0.05);
+///   auto corpus = Corpus::load("data/shakespeare.txt", 0.05);                 // bytes
+///   auto corpus = Corpus::load("data/", *load_tokenizer("tok.json"), 0.05, "~/.cache/ztrain/tokens");
 ///   Sampler sampler(corpus.train_size(), /*seq=*/256, /*batch_per_rank=*/8, dp.rank(), dp.size(),
 ///                   /*seed=*/1234);
 ///   sampler.set_state(saved.at("sampler").get<SamplerState>());  // when resuming
@@ -17,58 +19,79 @@
 /// Nothing here is collective; every rank builds its own corpus and sampler from the same
 /// arguments (except dp_rank). None of these objects is thread-safe.
 
+#include "tokenizer.h"
+
 #include <nlohmann/json.hpp>
 #include <torch/types.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace ztrain::gpt_app {
 
-/// The bytes of a text corpus, split into a training part and a validation part.
+/// The files of a corpus `path`: itself, or a directory's regular files (recursively, hidden
+/// entries skipped) in the order of their paths. Raises ztrain::Error for a missing path or a
+/// directory without files.
+std::vector<std::filesystem::path> list_corpus(const std::string& path);
+
+/// The tokens of a text corpus, split into a training part and a validation part.
 ///
 /// `path` is a file, or a directory whose regular files (recursively; entries whose name starts
-/// with '.' — hidden files and directories — are skipped) are concatenated in the order of their
-/// paths. The last `validation_fraction` of the bytes (rounded to a whole byte; the training split keeps
-/// at least one) is the validation split, the rest the training split. Raises ztrain::Error for a missing path, a directory without files,
-/// an empty corpus, or a fraction outside [0, 1).
+/// with '.' — hidden files and directories — are skipped) are read in the order of their paths.
+/// The last `validation_fraction` of the tokens (rounded to a whole token; the training split
+/// keeps at least one) is the validation split, the rest the training split. Raises ztrain::Error
+/// for a missing path, a directory without files, an empty corpus, or a fraction outside [0, 1).
 ///
-///   auto corpus = ByteCorpus::load("data/", 0.1);
-///   corpus.check_sequence_length(256);  // both splits hold at least one window of 257 bytes
-class ByteCorpus {
+/// With a tokenizer other than bytes, each file is encoded on its own and the ids concatenated.
+/// The ids are kept in a token file in `cache_dir`, named by the SHA-256 of the tokenizer file and
+/// the corpus' bytes: a later load of the same text with the same tokenizer maps that file instead
+/// of tokenizing again. The file is written under a temporary name and renamed when complete, so
+/// ranks or runs that load at once never see half of it.
+///
+///   auto corpus = Corpus::load("data/", 0.1);
+///   corpus.check_sequence_length(256);  // both splits hold at least one window of 257 tokens
+class Corpus {
  public:
-  static constexpr int64_t kVocabSize = 256;
-
-  /// Reads `path` (a file or a directory) as described above.
-  static ByteCorpus load(const std::string& path, double validation_fraction = 0.05);
+  /// Bytes (vocabulary 256) of `path`, as described above.
+  static Corpus load(const std::string& path, double validation_fraction = 0.05);
+  /// The ids `tokenizer` gives `path`, through the token cache in `cache_dir`.
+  static Corpus load(const std::string& path, const Tokenizer& tokenizer, double validation_fraction,
+                     const std::string& cache_dir);
   /// A corpus from bytes in memory (`source` names it in messages).
-  static ByteCorpus from_bytes(std::string bytes, double validation_fraction = 0.05,
-                               std::string source = "<memory>");
+  static Corpus from_bytes(std::string bytes, double validation_fraction = 0.05, std::string source = "<memory>");
 
-  /// Raises ztrain::Error unless the training split holds at least `seq + 1` bytes and the
-  /// validation split is empty or holds at least `seq + 1` bytes.
+  /// Raises ztrain::Error unless the training split holds at least `seq + 1` tokens and the
+  /// validation split is empty or holds at least `seq + 1` tokens.
   void check_sequence_length(int64_t seq) const;
 
-  int64_t size() const { return static_cast<int64_t>(bytes_.size()); }
+  int64_t size() const { return size_; }
   int64_t train_size() const { return train_size_; }
-  int64_t validation_size() const { return size() - train_size_; }
-  /// The training split, then the validation split, each `*_size()` bytes.
-  const uint8_t* train_data() const { return data(); }
-  const uint8_t* validation_data() const { return data() + train_size_; }
+  int64_t validation_size() const { return size_ - train_size_; }
+  /// Ids are in [0, vocab_size()).
+  int64_t vocab_size() const { return vocab_size_; }
+  /// Copies tokens [begin, begin + n) of the corpus (the training split, then the validation
+  /// split) into `out`, widened.
+  void copy(int64_t begin, int64_t n, int64_t* out) const;
   /// The files read, in order (one entry for a file corpus; empty for from_bytes).
   const std::vector<std::string>& files() const { return files_; }
   /// What the corpus was read from: the path given to load, or from_bytes' `source`.
   const std::string& source() const { return source_; }
+  /// The token file mapped, or "" for bytes.
+  const std::string& cache_file() const { return cache_file_; }
 
  private:
-  const uint8_t* data() const { return reinterpret_cast<const uint8_t*>(bytes_.data()); }
+  void split(double validation_fraction);
 
-  std::string bytes_;
-  int64_t train_size_ = 0;
+  std::shared_ptr<const void> storage_;  // owns what data_ points into
+  const uint8_t* data_ = nullptr;
+  int width_ = 1;  // bytes per token
+  int64_t size_ = 0, train_size_ = 0, vocab_size_ = 256;
   std::vector<std::string> files_;
-  std::string source_;
+  std::string source_, cache_file_;
 };
 
 /// Where a Sampler stands: enough to resume it exactly, at the same or another dp_size, and to
@@ -115,7 +138,7 @@ class Sampler {
 
   /// This rank's batch of the next step, [batch_per_rank, seq + 1] int64 tokens from the
   /// training split of `corpus` (whose train_size() must equal num_tokens); advances the step.
-  torch::Tensor next(const ByteCorpus& corpus);
+  torch::Tensor next(const Corpus& corpus);
 
   /// The start offsets (in the training split) of this rank's windows at global step `step`.
   /// Does not advance anything.
@@ -140,16 +163,16 @@ class Sampler {
   int64_t step_ = 0;
 };
 
-/// Sequential windows over the validation split, the same on every rank: window i starts at byte
+/// Sequential windows over the validation split, the same on every rank: window i starts at token
 /// i * seq and holds seq + 1 tokens, so consecutive windows overlap by one token and every
-/// validation byte after the first is a target exactly once (a tail shorter than a window is left
+/// validation token after the first is a target exactly once (a tail shorter than a window is left
 /// out). Windows are grouped into batches of `batch` rows ([batch, seq + 1] int64; the last batch
 /// may have fewer rows); at most `max_batches` batches when given. The caller may split the
 /// batches across ranks. Raises ztrain::Error when the validation split is empty or shorter than
-/// seq + 1 bytes.
+/// seq + 1 tokens.
 ///
 ///   for (const auto& b : validation_batches(corpus, 256, 8, 20)) loss += eval(b);
-std::vector<torch::Tensor> validation_batches(const ByteCorpus& corpus, int64_t seq, int64_t batch,
+std::vector<torch::Tensor> validation_batches(const Corpus& corpus, int64_t seq, int64_t batch,
                                               std::optional<int64_t> max_batches = std::nullopt);
 
 namespace detail {

@@ -4,12 +4,14 @@
 //   ztrain-gpt score --model runs/gpt/model.safetensors --input some.txt
 //   ztrain-gpt sample --model runs/gpt/model.safetensors --prompt "ROMEO:" --tokens 200
 //   ztrain-gpt plot --metrics runs/gpt/metrics.jsonl --out runs/gpt
+//   ztrain-gpt tokenizer train --data corpus.txt --vocab-size 4096 --out tokenizer.json
 //
 // See docs/ztrain-gpt.md for every option.
 #include "data.h"
 #include "plot.h"
 #include "progress.h"
 #include "tensorboard.h"
+#include "tokenizer.h"
 
 #include <ztrain/ztrain.h>
 
@@ -28,8 +30,9 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace zt = ztrain;
-using zt::gpt_app::ByteCorpus;
+using zt::gpt_app::Corpus;
 using zt::gpt_app::Sampler;
+using zt::gpt_app::Tokenizer;
 using zt::models::Gpt;
 using zt::models::GptConfig;
 using zt::models::GptPipeline;
@@ -50,6 +53,8 @@ struct ModelArgs {
 struct TrainArgs {
   ModelArgs model;
   std::string data;
+  std::string tokenizer;    // empty: bytes
+  std::string token_cache;  // empty: default_token_cache()
   double validation_fraction = 0.05;
   std::string optimizer = "adamw";
   double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, grad_clip = 1.0;
@@ -117,9 +122,25 @@ std::string dtype_name(c10::ScalarType t) {
   return t == torch::kBFloat16 ? "bf16" : t == torch::kFloat16 ? "fp16" : "fp32";
 }
 
-GptConfig make_config(const ModelArgs& m, int tp_size = 1) {
+/// Where token files are cached unless --token-cache says: $XDG_CACHE_HOME/ztrain/tokens, else
+/// ~/.cache/ztrain/tokens, else <out>/tokens.
+std::string default_token_cache(const std::string& out) {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/ztrain/tokens";
+  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/ztrain/tokens";
+  return out + "/tokens";
+}
+
+/// The model's vocabulary for a tokenizer's: rounded up to a multiple of 64 x tp, so that the
+/// embedding splits evenly over tensor-parallel ranks (256 bytes stay 256 up to tp 4). Ids
+/// beyond the tokenizer's are never targets, and sampling leaves them out.
+int64_t model_vocab(int64_t tokenizer_vocab, int tp_size) {
+  const int64_t multiple = 64 * tp_size;
+  return (tokenizer_vocab + multiple - 1) / multiple * multiple;
+}
+
+GptConfig make_config(const ModelArgs& m, int tp_size = 1, int64_t tokenizer_vocab = 256) {
   auto c = GptConfig::preset(m.preset);
-  c.vocab_size = 256;  // byte-level tokens
+  c.vocab_size = model_vocab(tokenizer_vocab, tp_size);
   if (m.d_model) c.d_model = *m.d_model;
   if (m.layers) c.n_layer = *m.layers;
   if (m.heads) c.n_head = *m.heads;
@@ -185,12 +206,41 @@ GptConfig config_from_json(const json& j) {
           .layer_norm_eps = j.value("layer_norm_eps", 1e-5), .dtype = parse_dtype(j.value("dtype", "fp32"))};
 }
 
+/// A model ready for inference and the tokenizer its ids belong to.
+struct LoadedModel {
+  Gpt model;
+  std::shared_ptr<const Tokenizer> tokenizer;
+};
+
+/// The tokenizer of a model at `path`: `option` when given; else what its configuration names
+/// (`recorded`: "bytes", or a file train copied beside the model: looked for beside it and, for a
+/// checkpoint, two directories up); else a tokenizer.json beside a Hugging Face model; else bytes.
+std::shared_ptr<const Tokenizer> model_tokenizer(const std::string& path, const std::string& option,
+                                                 const std::optional<std::string>& recorded, int64_t model_vocab_size) {
+  std::string file = option;
+  const fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
+  if (file.empty() && recorded && *recorded != "bytes") {
+    for (const auto& d : {dir, dir.parent_path(), dir.parent_path().parent_path()}) {
+      if (file.empty() && fs::exists(d / *recorded)) file = (d / *recorded).string();
+    }
+    ZTRAIN_CHECK(!file.empty(), "'", path, "' was trained with the tokenizer ", *recorded,
+                 ", which is not beside it; pass --tokenizer");
+  }
+  if (file.empty() && !recorded && fs::exists(dir / "tokenizer.json")) file = (dir / "tokenizer.json").string();
+  auto tokenizer = zt::gpt_app::load_tokenizer(file);
+  ZTRAIN_CHECK(tokenizer->vocab_size() <= model_vocab_size, "the tokenizer ", file.empty() ? "bytes" : file, " has ",
+               tokenizer->vocab_size(), " tokens, more than the model's vocabulary of ", model_vocab_size,
+               file.empty() ? "; pass the model's --tokenizer" : "; pass the tokenizer it was trained with");
+  return tokenizer;
+}
+
 /// The model of a file written by `train` (its configuration is in the file's metadata), of a
 /// checkpoint directory (the configuration is in its manifest) or of a Hugging Face GPT-2
 /// directory (config.json and model.safetensors, as save_pretrained writes them), ready for
-/// inference, replicated (level 0) on every rank.
-Gpt load_model(const std::string& path) {
+/// inference, replicated (level 0) on every rank; with its tokenizer (model_tokenizer).
+LoadedModel load_model(const std::string& path, const std::string& tokenizer_option) {
   GptConfig config;
+  std::optional<std::string> recorded_tokenizer;
   std::string file = path;
   if (fs::is_directory(path) && !fs::exists(fs::path(path) / "manifest.json") &&
       fs::exists(fs::path(path) / "config.json")) {
@@ -206,18 +256,21 @@ Gpt load_model(const std::string& path) {
     const auto extra = json::parse(manifest).at("extra");
     ZTRAIN_CHECK(extra.contains("config"), "checkpoint '", path, "' was not written by ztrain-gpt train");
     config = config_from_json(extra.at("config"));
+    recorded_tokenizer = extra.at("config").value("tokenizer", "bytes");
   } else {
     zt::ckpt::SafetensorsReader reader(path);
     const auto& meta = reader.metadata();
     ZTRAIN_CHECK(meta.count("ztrain_gpt_config"), "'", path,
                  "' has no ztrain_gpt_config metadata: it was not written by ztrain-gpt train");
-    config = config_from_json(json::parse(meta.at("ztrain_gpt_config")));
+    const auto j = json::parse(meta.at("ztrain_gpt_config"));
+    config = config_from_json(j);
+    recorded_tokenizer = j.value("tokenizer", "bytes");
   }
   config.dropout = 0;
   Gpt model(config, {.zero_level = 0, .use_checkpoint = false});
   zt::load(*model, file, {.strict = false});
   model->eval();
-  return model;
+  return {model, model_tokenizer(path, tokenizer_option, recorded_tokenizer, config.vocab_size)};
 }
 
 // ---- train ---------------------------------------------------------------------------------------
@@ -267,24 +320,33 @@ std::shared_ptr<zt::LRScheduler> make_schedule(const TrainArgs& a) {
   return std::make_shared<zt::lr_scheduler::Cosine>(o);
 }
 
-/// Mean validation loss over the first `max_batches` validation batches; every rank evaluates
-/// the same batches (forwards are collective). `loss` is the model's loss of one batch.
-double evaluate(torch::nn::Module& model, const std::function<torch::Tensor(const torch::Tensor&)>& loss,
-                const ByteCorpus& corpus, int64_t seq, int64_t batch, int64_t max_batches) {
+/// A validation loss: nats per token, and per byte of the text the target tokens stand for (the
+/// measure that compares tokenizers; equal for bytes).
+struct Validation {
+  double loss = 0, loss_per_byte = 0;
+};
+
+/// Validation loss over the first `max_batches` validation batches; every rank evaluates the same
+/// batches (forwards are collective). `loss` is the model's mean loss of one batch;
+/// `byte_lengths` is the tokenizer's.
+Validation evaluate(torch::nn::Module& model, const std::function<torch::Tensor(const torch::Tensor&)>& loss,
+                    const Corpus& corpus, const std::vector<int64_t>& byte_lengths, int64_t seq, int64_t batch,
+                    int64_t max_batches) {
   torch::NoGradGuard no_grad;
   model.eval();
-  double sum = 0;
-  int64_t count = 0;
+  double nats = 0;
+  int64_t tokens = 0, bytes = 0;
   for (const auto& b : zt::gpt_app::validation_batches(corpus, seq, batch, max_batches)) {
-    sum += loss(b.to(zt::runtime().device())).item<double>() * b.size(0);
-    count += b.size(0);
+    const int64_t targets = b.size(0) * (b.size(1) - 1);
+    nats += loss(b.to(zt::runtime().device())).item<double>() * static_cast<double>(targets);
+    tokens += targets;
+    const auto* ids = b.data_ptr<int64_t>();
+    for (int64_t r = 0; r < b.size(0); ++r) {
+      for (int64_t t = 1; t < b.size(1); ++t) bytes += byte_lengths.at(ids[r * b.size(1) + t]);
+    }
   }
   model.train();
-  return sum / std::max<int64_t>(count, 1);
-}
-
-double evaluate(Gpt& model, const ByteCorpus& corpus, int64_t seq, int64_t batch, int64_t max_batches) {
-  return evaluate(*model, [&](const torch::Tensor& b) { return model->loss(b); }, corpus, seq, batch, max_batches);
+  return {nats / static_cast<double>(std::max<int64_t>(tokens, 1)), nats / static_cast<double>(std::max<int64_t>(bytes, 1))};
 }
 
 /// What train runs: Gpt, or GptPipeline with several pipeline stages, behind one interface.
@@ -322,6 +384,34 @@ Trainee make_trainee(const TrainArgs& a, const GptConfig& config) {
           [model](const torch::Tensor& b) mutable { return model->loss({b}); }};
 }
 
+/// The file name a tokenizer gets beside a trained model ("bytes" for none).
+std::string tokenizer_file_name(const Tokenizer& t) {
+  return t.kind() == "bytes" ? "bytes" : t.kind() == "bpe" ? "tokenizer.json" : "tokenizer.model";
+}
+
+/// The corpus of `path` in `tokenizer`'s ids. A token file missing from the cache is written by
+/// the first rank on each host while the others wait, then mapped by all; when that rank fails,
+/// every rank raises.
+Corpus load_corpus(const std::string& path, const Tokenizer& tokenizer, double validation_fraction,
+                   const std::string& cache_dir) {
+  if (tokenizer.kind() == "bytes") return Corpus::load(path, validation_fraction);
+  std::optional<Corpus> corpus;
+  std::string error;
+  if (zt::runtime().local_rank() == 0) {
+    try {
+      corpus = Corpus::load(path, tokenizer, validation_fraction, cache_dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  auto failed = torch::tensor({error.empty() ? 0.0f : 1.0f});
+  zt::runtime().world().all_reduce(failed, zt::ReduceOp::kMax);
+  ZTRAIN_CHECK(error.empty(), error);
+  ZTRAIN_CHECK(failed.item<float>() == 0, "tokenizing ", path, " failed on another rank (its message says why)");
+  if (!corpus) corpus = Corpus::load(path, tokenizer, validation_fraction, cache_dir);
+  return std::move(*corpus);
+}
+
 int train(TrainArgs a) {
   ZTRAIN_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
   ZTRAIN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
@@ -329,14 +419,17 @@ int train(TrainArgs a) {
   ZTRAIN_CHECK(a.pp == 1 || a.grad_accum == 1, "with --pp, a step's micro-batches are --micro-batches, not --grad-accum");
   auto& rt = start({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp}, a.device);
   const int dp = rt.dp().size();
-  const auto config = make_config(a.model, a.tp);
+  const auto tokenizer = zt::gpt_app::load_tokenizer(a.tokenizer);
+  const auto config = make_config(a.model, a.tp, tokenizer->vocab_size());
   a.seq = a.seq.value_or(config.context);
   ZTRAIN_CHECK(*a.seq <= config.context, "--seq ", *a.seq, " exceeds the model's context ", config.context);
   ZTRAIN_CHECK(a.steps > 0 && a.batch > 0 && a.grad_accum > 0, "--steps, --batch and --grad-accum must be > 0");
   const int64_t micro_batches = a.pp > 1 ? a.micro_batches.value_or(2 * a.pp) : a.grad_accum;
   ZTRAIN_CHECK(micro_batches > 0, "--micro-batches must be > 0, got ", micro_batches);
-  const auto corpus = ByteCorpus::load(a.data, a.validation_fraction);
+  const auto corpus = load_corpus(a.data, *tokenizer, a.validation_fraction,
+                                  a.token_cache.empty() ? default_token_cache(a.out) : a.token_cache);
   corpus.check_sequence_length(*a.seq);
+  const auto byte_lengths = tokenizer->byte_lengths();
 
   auto trainee = make_trainee(a, config);
   auto& model = *trainee.module;
@@ -359,8 +452,16 @@ int train(TrainArgs a) {
       zt::print_rank("no checkpoint under ", ckpt_dir, ": starting from scratch");
     }
   }
-  if (rt.rank() == 0) fs::create_directories(a.out);
+  const std::string tokenizer_name = tokenizer_file_name(*tokenizer);
+  if (rt.rank() == 0) {
+    fs::create_directories(a.out);
+    if (tokenizer_name != "bytes" && !fs::equivalent(tokenizer->path(), a.out + "/" + tokenizer_name)) {
+      fs::copy_file(tokenizer->path(), a.out + "/" + tokenizer_name, fs::copy_options::overwrite_existing);
+    }
+  }
   zt::synchronize();
+  json model_config = config_json(config);
+  model_config["tokenizer"] = tokenizer_name;
 
   const int64_t tokens_per_step = a.batch * *a.seq * micro_batches * dp;
   const std::string pipeline =
@@ -369,7 +470,8 @@ int train(TrainArgs a) {
                  ", ", config.n_head, " heads, context ", config.context, ", ", dtype_name(config.dtype), "), ZeRO level ",
                  a.model.zero_level, a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
                  rt.threads(), " thread(s) on ", rt.device(), "; ", tokens_per_step, " tokens per step; data ", corpus.source(), " (",
-                 corpus.train_size(), " train / ", corpus.validation_size(), " validation bytes)");
+                 corpus.train_size(), " train / ", corpus.validation_size(), " validation tokens of ",
+                 tokenizer_name == "bytes" ? "bytes" : tokenizer->path(), ", vocabulary ", tokenizer->vocab_size(), ")");
 
   std::optional<zt::gpt_app::MetricsLog> metrics;
   std::optional<zt::gpt_app::TensorBoardWriter> tensorboard;
@@ -399,8 +501,11 @@ int train(TrainArgs a) {
                                      .time_s = std::chrono::duration<double>(Clock::now() - start).count()};
     json extra{{"grad_norm", norm}, {"skipped", !applied}, {"loss_scale", mgr.loss_scale()}};
     if (a.eval_interval > 0 && ((step + 1) % a.eval_interval == 0 || step + 1 == a.steps)) {
-      extra["val_loss"] = evaluate(model, trainee.loss, corpus, *a.seq, a.batch, a.eval_batches);
-      bar.print(c10::str("step ", step + 1, ": validation loss ", extra["val_loss"].get<double>()));
+      const auto v = evaluate(model, trainee.loss, corpus, byte_lengths, *a.seq, a.batch, a.eval_batches);
+      extra["val_loss"] = v.loss;
+      extra["val_loss_per_byte"] = v.loss_per_byte;
+      bar.print(c10::str("step ", step + 1, ": validation loss ", v.loss,
+                         tokenizer_name == "bytes" ? "" : c10::str(" (", v.loss_per_byte, " per byte)")));
     }
     if (metrics) metrics->write(step + 1, m, extra);
     if (tensorboard) {
@@ -409,48 +514,77 @@ int train(TrainArgs a) {
                                        {"grad_norm", norm}, {"loss_scale", mgr.loss_scale()}}) {
         tensorboard->scalar(tag, step + 1, value);
       }
-      if (extra.contains("val_loss")) tensorboard->scalar("val_loss", step + 1, extra["val_loss"].get<double>());
+      for (const char* tag : {"val_loss", "val_loss_per_byte"}) {
+        if (extra.contains(tag)) tensorboard->scalar(tag, step + 1, extra[tag].get<double>());
+      }
       tensorboard->flush();
     }
     bar.update(step + 1, m);
     if (a.ckpt_interval > 0 && (step + 1) % a.ckpt_interval == 0) {
       const auto dir = zt::save_checkpoint(ckpt_dir, step + 1, state,
-                                           json{{"sampler", sampler.state()}, {"config", config_json(config)}}.dump(),
+                                           json{{"sampler", sampler.state()}, {"config", model_config}}.dump(),
                                            {.keep_last = a.keep_last, .before_publish = [&] { kill.at("save", step + 1); }});
       bar.print("checkpoint " + dir);
     }
   }
   bar.finish();
-  zt::save(model, a.out + "/model.safetensors", {.metadata = {{"ztrain_gpt_config", config_json(config).dump()}}});
+  zt::save(model, a.out + "/model.safetensors", {.metadata = {{"ztrain_gpt_config", model_config.dump()}}});
   if (rt.rank() == 0) std::ofstream(a.out + "/config.json") << hf_config_json(config).dump(2) << "\n";
-  zt::print_rank("wrote ", a.out, "/model.safetensors, config.json and metrics.jsonl");
+  zt::print_rank("wrote ", a.out, "/model.safetensors, config.json", tokenizer_name == "bytes" ? "" : ", " + tokenizer_name,
+                 " and metrics.jsonl");
   return 0;
 }
 
 // ---- eval, score, sample, plot -------------------------------------------------------------------
 
-int eval(const std::string& model_path, const std::string& data, double validation_fraction, int64_t seq,
-         int64_t batch, int64_t max_batches, const std::optional<std::string>& device) {
-  start({}, device);
-  auto model = load_model(model_path);
-  const auto corpus = ByteCorpus::load(data, validation_fraction);
-  zt::print_rank("val_loss=", evaluate(model, corpus, std::min(seq, model->config().context), batch, max_batches));
+/// What eval, score and sample share: the model (a file, checkpoint or Hugging Face directory),
+/// its tokenizer when not the one beside it, the device.
+struct ModelSource {
+  std::string model;
+  std::string tokenizer;
+  std::optional<std::string> device;
+};
+
+void add_model_source_options(CLI::App* app, ModelSource& m) {
+  app->add_option("--model", m.model, "model.safetensors written by train, a checkpoint directory, or a Hugging Face "
+                                      "GPT-2 directory")
+      ->required();
+  app->add_option("--tokenizer", m.tokenizer, "the model's tokenizer (default: the one beside the model, else bytes)");
+  add_device_option(app, m.device);
+}
+
+std::string precise(double v) {
+  std::ostringstream s;
+  s << std::setprecision(9) << v;
+  return s.str();
+}
+
+int eval(const ModelSource& m, const std::string& data, const std::string& token_cache, double validation_fraction,
+         int64_t seq, int64_t batch, int64_t max_batches) {
+  start({}, m.device);
+  auto [model, tokenizer] = load_model(m.model, m.tokenizer);
+  const auto corpus = load_corpus(data, *tokenizer, validation_fraction, token_cache.empty() ? default_token_cache(".") : token_cache);
+  const auto v = evaluate(*model, [&](const torch::Tensor& b) { return model->loss(b); }, corpus, tokenizer->byte_lengths(),
+                          std::min(seq, model->config().context), batch, max_batches);
+  zt::print_rank("val_loss=", precise(v.loss), " val_loss_per_byte=", precise(v.loss_per_byte));
   return 0;
 }
 
-/// Mean next-byte cross-entropy (nats) of a file's bytes as one sequence: windows of
-/// context + 1 bytes overlapping by one, so every byte after the first is predicted once, from
-/// the preceding bytes of its window.
-int score(const std::string& model_path, const std::string& input, const std::string& logits_path,
-          const std::optional<std::string>& device) {
-  auto& rt = start({}, device);
-  auto model = load_model(model_path);
+/// Mean next-token cross-entropy (nats) of a file's tokens as one sequence: windows of
+/// context + 1 tokens overlapping by one, so every token after the first is predicted once, from
+/// the preceding tokens of its window. Also per byte of the text the predicted tokens stand for.
+int score(const ModelSource& m, const std::string& input, const std::string& logits_path) {
+  auto& rt = start({}, m.device);
+  auto [model, tokenizer] = load_model(m.model, m.tokenizer);
   std::ifstream in(input, std::ios::binary);
   ZTRAIN_CHECK(in, "score: cannot read '", input, "'");
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  ZTRAIN_CHECK(bytes.size() >= 2, "score: '", input, "' needs at least 2 bytes, it has ", bytes.size());
-  auto tokens =
-      torch::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, torch::kUInt8).to(rt.device(), torch::kLong);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto ids = tokenizer->encode(text);
+  ZTRAIN_CHECK(ids.size() >= 2, "score: '", input, "' needs at least 2 tokens, it has ", ids.size());
+  auto tokens = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).to(rt.device());
+  const auto byte_lengths = tokenizer->byte_lengths();
+  int64_t bytes = 0;
+  for (size_t i = 1; i < ids.size(); ++i) bytes += byte_lengths.at(ids[i]);
   const int64_t window = model->config().context;
   torch::NoGradGuard no_grad;
   double total = 0;
@@ -461,9 +595,8 @@ int score(const std::string& model_path, const std::string& input, const std::st
     total += model->loss(chunk).item<double>() * (len - 1);
     count += len - 1;
   }
-  std::ostringstream loss;
-  loss << std::setprecision(9) << total / count;
-  zt::print_rank("loss=", loss.str());
+  zt::print_rank("loss=", precise(total / count), " loss_per_byte=", precise(total / std::max<int64_t>(bytes, 1)),
+                 " tokens=", ids.size());
   if (!logits_path.empty() && rt.rank() == 0) {
     const auto first = tokens.narrow(0, 0, std::min(window, tokens.size(0))).unsqueeze(0);
     zt::ckpt::save_safetensors(logits_path, {{"logits", model(first).to(torch::kCPU, torch::kFloat32).contiguous()}});
@@ -471,28 +604,30 @@ int score(const std::string& model_path, const std::string& input, const std::st
   return 0;
 }
 
-int sample(const std::string& model_path, const std::string& prompt, int64_t n, double temperature, int64_t top_k,
-           uint64_t seed, const std::optional<std::string>& device) {
-  auto& rt = start({}, device);
-  auto model = load_model(model_path);
+int sample(const ModelSource& m, const std::string& prompt, int64_t n, double temperature, int64_t top_k, uint64_t seed) {
+  auto& rt = start({}, m.device);
+  auto [model, tokenizer] = load_model(m.model, m.tokenizer);
   ZTRAIN_CHECK(temperature > 0, "--temperature must be > 0");
   auto gen = at::detail::createCPUGenerator(seed);
-  std::string text = prompt.empty() ? std::string("\n") : prompt;
+  auto ids = tokenizer->encode(prompt.empty() ? std::string("\n") : prompt);
+  ZTRAIN_CHECK(!ids.empty(), "the prompt gives no tokens");
+  const auto prompt_tokens = ids.size();
+  const int64_t context = model->config().context, vocab = tokenizer->vocab_size();
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < n; ++i) {
-    const auto ctx = text.substr(text.size() > static_cast<size_t>(model->config().context)
-                                     ? text.size() - model->config().context
-                                     : 0);
-    auto ids = torch::from_blob(const_cast<char*>(ctx.data()), {1, static_cast<int64_t>(ctx.size())}, torch::kUInt8)
-                   .to(rt.device(), torch::kLong);
-    auto logits = model(ids).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat32) / temperature;
+    const auto begin = ids.size() > static_cast<size_t>(context) ? ids.size() - context : 0;
+    auto input = torch::tensor(std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(begin), ids.end()), torch::kLong)
+                     .unsqueeze(0)
+                     .to(rt.device());
+    // The model's vocabulary may be padded beyond the tokenizer's: those ids are never drawn.
+    auto logits = model(input).select(1, -1).squeeze(0).narrow(0, 0, vocab).to(torch::kCPU, torch::kFloat32) / temperature;
     if (top_k > 0 && top_k < logits.size(0)) {
       auto kth = std::get<0>(logits.topk(top_k)).min();
       logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
     }
-    const auto next = torch::multinomial(torch::softmax(logits, -1), 1, false, gen).item<int64_t>();
-    text.push_back(static_cast<char>(next));
+    ids.push_back(static_cast<int32_t>(torch::multinomial(torch::softmax(logits, -1), 1, false, gen).item<int64_t>()));
   }
+  const auto text = prompt + tokenizer->decode({ids.begin() + static_cast<std::ptrdiff_t>(prompt_tokens), ids.end()});
   if (zt::rank() == 0) std::cout << text << std::endl;
   return 0;
 }
@@ -502,16 +637,93 @@ int plot(const std::string& metrics, const std::string& out) {
   return 0;
 }
 
+// ---- tokenizer -------------------------------------------------------------------------------------
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  ZTRAIN_CHECK(in, "cannot read '", path, "'");
+  return {(std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()};
+}
+
+struct TokenizerTrainArgs {
+  std::string data, out, kind = "bpe";
+  int64_t vocab_size = 4096;
+  std::vector<std::string> special{"<|endoftext|>"};
+};
+
+/// Learns a tokenizer from a corpus (a file or a directory, as train reads it).
+int tokenizer_train(const TokenizerTrainArgs& a) {
+  std::vector<std::string> files, texts;
+  for (const auto& f : zt::gpt_app::list_corpus(a.data)) files.push_back(f.string());
+  const auto t0 = Clock::now();
+  if (a.kind == "bpe") {
+    for (const auto& f : files) texts.push_back(read_text(f));
+    const std::vector<std::string_view> views(texts.begin(), texts.end());
+    const auto text = zt::gpt_app::train_bpe(views, {.vocab_size = a.vocab_size, .special_tokens = a.special});
+    std::ofstream out(a.out, std::ios::binary);
+    ZTRAIN_CHECK(out << text, "cannot write '", a.out, "'");
+  } else {
+    const std::string suffix = ".model";
+    ZTRAIN_CHECK(a.out.size() > suffix.size() && a.out.compare(a.out.size() - suffix.size(), suffix.size(), suffix) == 0,
+                 "a SentencePiece model's --out must end in .model, got '", a.out, "'");
+    zt::gpt_app::train_sentencepiece(files, a.out.substr(0, a.out.size() - suffix.size()), a.vocab_size,
+                                     a.kind == "sentencepiece-bpe" ? "bpe" : "unigram");
+  }
+  const auto tok = zt::gpt_app::load_tokenizer(a.out);
+  std::cout << "wrote " << a.out << ": " << tok->kind() << ", vocabulary " << tok->vocab_size() << ", in "
+            << std::chrono::duration<double>(Clock::now() - t0).count() << " s" << std::endl;
+  return 0;
+}
+
+/// Ids of a text file as a JSON array; prints the count and the encoding's throughput.
+int tokenizer_encode(const std::string& tokenizer_path, const std::string& input, const std::string& output) {
+  const auto tok = zt::gpt_app::load_tokenizer(tokenizer_path);
+  const auto text = read_text(input);
+  const auto t0 = Clock::now();
+  const auto ids = tok->encode(text);
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!output.empty()) {
+    std::ofstream out(output);
+    ZTRAIN_CHECK(out << json(ids).dump() << "\n", "cannot write '", output, "'");
+  }
+  std::cout << "tokens=" << ids.size() << " bytes=" << text.size() << " seconds=" << seconds
+            << " MB/s=" << static_cast<double>(text.size()) / 1e6 / seconds << std::endl;
+  return 0;
+}
+
+/// Texts of a JSON array of ids (one text) or of arrays of ids (one text each), as a JSON array
+/// of strings: special tokens skipped, invalid UTF-8 replaced, as `tokenizers`' decode.
+int tokenizer_decode(const std::string& tokenizer_path, const std::string& input, const std::string& output) {
+  const auto tok = zt::gpt_app::load_tokenizer(tokenizer_path);
+  std::ifstream in(input);
+  ZTRAIN_CHECK(in, "cannot read '", input, "'");
+  const auto j = json::parse(in);
+  ZTRAIN_CHECK(j.is_array(), "'", input, "' must hold a JSON array of ids or of arrays of ids");
+  json texts = json::array();
+  if (j.empty() || !j[0].is_array()) {
+    texts.push_back(zt::gpt_app::utf8_lossy(tok->decode(j.get<std::vector<int32_t>>())));
+  } else {
+    for (const auto& ids : j) texts.push_back(zt::gpt_app::utf8_lossy(tok->decode(ids.get<std::vector<int32_t>>())));
+  }
+  std::ofstream out(output);
+  ZTRAIN_CHECK(out << texts.dump() << "\n", "cannot write '", output, "'");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app("ztrain-gpt: train a GPT-2-style byte-level language model with ztrain");
+  CLI::App app("ztrain-gpt: train a GPT-2-style language model with ztrain");
   app.require_subcommand(1);
 
   TrainArgs t;
   auto* train_cmd = app.add_subcommand("train", "train a model (launch with mpirun for several ranks)");
   add_model_options(train_cmd, t.model);
   train_cmd->add_option("--data", t.data, "a text file or a directory of text files")->required();
+  train_cmd->add_option("--tokenizer", t.tokenizer, "a Hugging Face tokenizer.json (byte-level BPE) or a SentencePiece "
+                                                    ".model (default: bytes, vocabulary 256)");
+  train_cmd->add_option("--token-cache", t.token_cache, "directory of token files, so a corpus is tokenized once "
+                                                        "(default: ~/.cache/ztrain/tokens)");
   train_cmd->add_option("--validation-fraction", t.validation_fraction, "share of the bytes held out")->capture_default_str();
   train_cmd->add_option("--optimizer", t.optimizer, "adamw, adam or sgd")
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}))
@@ -557,36 +769,59 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--tensorboard", t.tensorboard,
                         "also write the metrics as TensorBoard event files into this directory");
 
-  std::string model_path, data, input, logits, prompt = "\n", metrics, out = ".";
+  std::string data, input, logits, prompt = "\n", metrics, out = ".", output, token_cache;
   double validation_fraction = 0.05, temperature = 0.8;
   int64_t seq = 128, batch = 8, eval_batches = 8, tokens = 200, top_k = 40;
   uint64_t seed = 1;
-  std::optional<std::string> device;
-  auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model file or a checkpoint");
-  eval_cmd->add_option("--model", model_path, "model.safetensors written by train, or a checkpoint directory")
-      ->required();
+  ModelSource source;
+  auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model: prints val_loss=<nats per token> "
+                                              "val_loss_per_byte=<nats per byte>");
+  add_model_source_options(eval_cmd, source);
   eval_cmd->add_option("--data", data, "the training corpus (its validation split is used)")->required();
   eval_cmd->add_option("--validation-fraction", validation_fraction)->capture_default_str();
+  eval_cmd->add_option("--token-cache", token_cache, "directory of token files (default: ~/.cache/ztrain/tokens)");
   eval_cmd->add_option("--seq", seq)->capture_default_str();
   eval_cmd->add_option("--batch", batch)->capture_default_str();
   eval_cmd->add_option("--eval-batches", eval_batches)->capture_default_str();
-  add_device_option(eval_cmd, device);
-  auto* score_cmd = app.add_subcommand("score", "mean next-byte cross-entropy (nats) of a file: prints loss=<value>");
-  score_cmd->add_option("--model", model_path)->required();
+  auto* score_cmd = app.add_subcommand("score", "mean next-token cross-entropy (nats) of a file: prints loss=<per token> "
+                                                "loss_per_byte=<per byte> tokens=<count>");
+  add_model_source_options(score_cmd, source);
   score_cmd->add_option("--input", input, "the text to score")->required();
   score_cmd->add_option("--logits", logits, "also write the logits of the first window (fp32) to this safetensors file");
-  add_device_option(score_cmd, device);
   auto* sample_cmd = app.add_subcommand("sample", "generate text from a prompt");
-  sample_cmd->add_option("--model", model_path)->required();
+  add_model_source_options(sample_cmd, source);
   sample_cmd->add_option("--prompt", prompt)->capture_default_str();
-  sample_cmd->add_option("--tokens", tokens, "bytes to generate")->capture_default_str();
+  sample_cmd->add_option("--tokens", tokens, "tokens to generate")->capture_default_str();
   sample_cmd->add_option("--temperature", temperature)->capture_default_str();
-  sample_cmd->add_option("--top-k", top_k, "sample among the k likeliest bytes (0: all)")->capture_default_str();
+  sample_cmd->add_option("--top-k", top_k, "sample among the k likeliest tokens (0: all)")->capture_default_str();
   sample_cmd->add_option("--seed", seed)->capture_default_str();
-  add_device_option(sample_cmd, device);
   auto* plot_cmd = app.add_subcommand("plot", "PNG plots of a metrics.jsonl: loss.png and throughput.png");
   plot_cmd->add_option("--metrics", metrics)->required();
   plot_cmd->add_option("--out", out, "output directory")->capture_default_str();
+
+  auto* tokenizer_cmd = app.add_subcommand("tokenizer", "train a tokenizer, or encode and decode with one");
+  tokenizer_cmd->require_subcommand(1);
+  TokenizerTrainArgs tt;
+  auto* tok_train = tokenizer_cmd->add_subcommand("train", "learn a tokenizer from a corpus");
+  tok_train->add_option("--data", tt.data, "a text file or a directory of text files")->required();
+  tok_train->add_option("--vocab-size", tt.vocab_size, "tokens in the vocabulary, special tokens and bytes included")
+      ->capture_default_str();
+  tok_train->add_option("--out", tt.out, "tokenizer.json (bpe), or NAME.model (sentencepiece-*)")->required();
+  tok_train->add_option("--kind", tt.kind, "bpe (byte-level, Hugging Face tokenizer.json), sentencepiece-bpe or "
+                                           "sentencepiece-unigram")
+      ->check(CLI::IsMember({"bpe", "sentencepiece-bpe", "sentencepiece-unigram"}))
+      ->capture_default_str();
+  tok_train->add_option("--special", tt.special, "special tokens of a bpe tokenizer, ids 0, 1, ...")->capture_default_str();
+  std::string tokenizer_path;
+  auto* tok_encode = tokenizer_cmd->add_subcommand("encode", "ids of a text file as a JSON array; prints their count and MB/s");
+  tok_encode->add_option("--tokenizer", tokenizer_path, "tokenizer.json or a SentencePiece .model")->required();
+  tok_encode->add_option("--input", input, "the text")->required();
+  tok_encode->add_option("--output", output, "where the ids go (default: nowhere, only the count)");
+  auto* tok_decode = tokenizer_cmd->add_subcommand("decode", "texts of ids: a JSON array of ids, or of arrays of ids, to a "
+                                                             "JSON array of strings");
+  tok_decode->add_option("--tokenizer", tokenizer_path, "tokenizer.json or a SentencePiece .model")->required();
+  tok_decode->add_option("--input", input, "the ids (JSON)")->required();
+  tok_decode->add_option("--output", output, "the texts (JSON)")->required();
 
   CLI11_PARSE(app, argc, argv);
   for (const auto& s : schedules) {
@@ -595,10 +830,13 @@ int main(int argc, char** argv) {
   }
   try {
     if (*train_cmd) return train(t);
-    if (*eval_cmd) return eval(model_path, data, validation_fraction, seq, batch, eval_batches, device);
-    if (*score_cmd) return score(model_path, input, logits, device);
-    if (*sample_cmd) return sample(model_path, prompt, tokens, temperature, top_k, seed, device);
+    if (*eval_cmd) return eval(source, data, token_cache, validation_fraction, seq, batch, eval_batches);
+    if (*score_cmd) return score(source, input, logits);
+    if (*sample_cmd) return sample(source, prompt, tokens, temperature, top_k, seed);
     if (*plot_cmd) return plot(metrics, out);
+    if (*tok_train) return tokenizer_train(tt);
+    if (*tok_encode) return tokenizer_encode(tokenizer_path, input, output);
+    if (*tok_decode) return tokenizer_decode(tokenizer_path, input, output);
   } catch (const std::exception& e) {
     std::cerr << "ztrain-gpt: " << e.what() << std::endl;
     return 1;

@@ -1,4 +1,4 @@
-// ztrain-gpt data: byte corpus from files and directories, the data-parallel sampler
+// ztrain-gpt data: byte and token corpora from files and directories (the token cache), the data-parallel sampler
 // (determinism, disjoint ranks, dp-size independence, exact resume) and validation windows.
 #include "data.h"
 #include "test_util.h"
@@ -56,27 +56,34 @@ std::string tensor_bytes(const torch::Tensor& row) {
   return s;
 }
 
+/// Tokens [begin, begin + n) of a byte corpus, as bytes.
+std::string corpus_bytes(const Corpus& c, int64_t begin, int64_t n) {
+  std::vector<int64_t> ids(n);
+  c.copy(begin, n, ids.data());
+  return std::string(ids.begin(), ids.end());
+}
+
 // ---- corpus ----------------------------------------------------------------------------------
 
-TEST(ByteCorpus, LoadsAFileAndSplitsOffTheLastFraction) {
+TEST(Corpus, LoadsAFileAndSplitsOffTheLastFraction) {
   TempDir dir;
   const auto text = random_bytes(1000);
   const auto file = dir.write("corpus.txt", text);
-  auto c = ByteCorpus::load(file.string(), 0.05);
+  auto c = Corpus::load(file.string(), 0.05);
   EXPECT_EQ(c.size(), 1000);
   EXPECT_EQ(c.train_size(), 950);
   EXPECT_EQ(c.validation_size(), 50);
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(c.train_data()), 950), text.substr(0, 950));
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(c.validation_data()), 50), text.substr(950));
+  EXPECT_EQ(corpus_bytes(c, 0, 950), text.substr(0, 950));
+  EXPECT_EQ(corpus_bytes(c, c.train_size(), 50), text.substr(950));
   EXPECT_EQ(c.files(), std::vector<std::string>{file.string()});
 
-  auto none = ByteCorpus::load(file.string(), 0.0);
+  auto none = Corpus::load(file.string(), 0.0);
   EXPECT_EQ(none.train_size(), 1000);
   EXPECT_EQ(none.validation_size(), 0);
-  EXPECT_EQ(ByteCorpus::load(file.string(), 0.333).validation_size(), 333);
+  EXPECT_EQ(Corpus::load(file.string(), 0.333).validation_size(), 333);
 }
 
-TEST(ByteCorpus, ConcatenatesADirectoryInPathOrderSkippingHiddenEntries) {
+TEST(Corpus, ConcatenatesADirectoryInPathOrderSkippingHiddenEntries) {
   TempDir dir;
   dir.write("b.txt", "BBB");
   dir.write("a.txt", "AAA");
@@ -85,35 +92,35 @@ TEST(ByteCorpus, ConcatenatesADirectoryInPathOrderSkippingHiddenEntries) {
   dir.write(".hidden", "HHH");
   dir.write(".git/objects/x", "XXX");
   dir.write("sub/.swp", "SSS");
-  auto c = ByteCorpus::load(dir.path().string(), 0.0);
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(c.train_data()), c.size()), "AAAZZZBBBCCC");
+  auto c = Corpus::load(dir.path().string(), 0.0);
+  EXPECT_EQ(corpus_bytes(c, 0, c.size()), "AAAZZZBBBCCC");
   const std::vector<std::string> want = {(dir.path() / "a.txt").string(), (dir.path() / "aa/z.txt").string(),
                                          (dir.path() / "b.txt").string(), (dir.path() / "sub/c.txt").string()};
   EXPECT_EQ(c.files(), want);
   EXPECT_EQ(c.source(), dir.path().string());
 }
 
-TEST(ByteCorpus, ClearErrors) {
+TEST(Corpus, ClearErrors) {
   TempDir dir;
-  EXPECT_NE(error_message([&] { ByteCorpus::load((dir.path() / "nope.txt").string()); }).find("does not exist"),
+  EXPECT_NE(error_message([&] { Corpus::load((dir.path() / "nope.txt").string()); }).find("does not exist"),
             std::string::npos);
   const auto empty = dir.write("empty/e.txt", "");
-  EXPECT_NE(error_message([&] { ByteCorpus::load(empty.string()); }).find("is empty"), std::string::npos);
-  EXPECT_NE(error_message([&] { ByteCorpus::load(empty.parent_path().string()); }).find("is empty"),
+  EXPECT_NE(error_message([&] { Corpus::load(empty.string()); }).find("is empty"), std::string::npos);
+  EXPECT_NE(error_message([&] { Corpus::load(empty.parent_path().string()); }).find("is empty"),
             std::string::npos);
   dir.write("hidden_only/.a", "abc");
-  EXPECT_NE(error_message([&] { ByteCorpus::load((dir.path() / "hidden_only").string()); }).find("no regular files"),
+  EXPECT_NE(error_message([&] { Corpus::load((dir.path() / "hidden_only").string()); }).find("no regular files"),
             std::string::npos);
   fs::create_directories(dir.path() / "nothing");
-  EXPECT_NE(error_message([&] { ByteCorpus::load((dir.path() / "nothing").string()); }).find("no regular files"),
+  EXPECT_NE(error_message([&] { Corpus::load((dir.path() / "nothing").string()); }).find("no regular files"),
             std::string::npos);
   const auto file = dir.write("x.txt", random_bytes(100));
-  EXPECT_NE(error_message([&] { ByteCorpus::load(file.string(), 1.0); }).find("validation_fraction"),
+  EXPECT_NE(error_message([&] { Corpus::load(file.string(), 1.0); }).find("validation_fraction"),
             std::string::npos);
-  EXPECT_NE(error_message([&] { ByteCorpus::load(file.string(), -0.1); }).find("validation_fraction"),
+  EXPECT_NE(error_message([&] { Corpus::load(file.string(), -0.1); }).find("validation_fraction"),
             std::string::npos);
 
-  auto c = ByteCorpus::load(file.string(), 0.1);  // 90 + 10 bytes
+  auto c = Corpus::load(file.string(), 0.1);  // 90 + 10 bytes
   c.check_sequence_length(9);
   EXPECT_NE(error_message([&] { c.check_sequence_length(10); }).find("validation split"), std::string::npos);
   EXPECT_NE(error_message([&] { c.check_sequence_length(90); }).find("training split"), std::string::npos);
@@ -121,7 +128,7 @@ TEST(ByteCorpus, ClearErrors) {
             std::string::npos);
   EXPECT_NE(error_message([&] { Sampler(c.train_size(), 9, 5, 0, 2, 0); }).find("fewer than the global batch"),
             std::string::npos);
-  auto no_val = ByteCorpus::load(file.string(), 0.0);
+  auto no_val = Corpus::load(file.string(), 0.0);
   EXPECT_NE(error_message([&] { validation_batches(no_val, 8, 2); }).find("no validation split"),
             std::string::npos);
   EXPECT_NE(error_message([&] { Sampler(100, 8, 1, 2, 2, 0); }).find("dp_rank"), std::string::npos);
@@ -155,10 +162,10 @@ TEST(IndexPermutation, IsABijectionForAnySize) {
 
 constexpr int64_t kSeq = 15;  // windows of 16
 
-ByteCorpus sampler_corpus(int64_t n = 1000) { return ByteCorpus::from_bytes(random_bytes(n), 0.0, "test"); }
+Corpus sampler_corpus(int64_t n = 1000) { return Corpus::from_bytes(random_bytes(n), 0.0, "test"); }
 
 /// Global batches of `steps` steps, the ranks' batches concatenated in rank order.
-std::vector<torch::Tensor> global_batches(const ByteCorpus& c, int dp, int64_t per_rank, int64_t steps,
+std::vector<torch::Tensor> global_batches(const Corpus& c, int dp, int64_t per_rank, int64_t steps,
                                           uint64_t seed = 11, std::optional<SamplerState> resume = std::nullopt) {
   std::vector<Sampler> ranks;
   for (int r = 0; r < dp; ++r) {
@@ -175,7 +182,7 @@ std::vector<torch::Tensor> global_batches(const ByteCorpus& c, int dp, int64_t p
 }
 
 TEST(Sampler, BatchesAreWindowsOfTheTrainingSplit) {
-  const auto c = ByteCorpus::from_bytes(random_bytes(1001), 0.0, "test");
+  const auto c = Corpus::from_bytes(random_bytes(1001), 0.0, "test");
   Sampler s(c.train_size(), kSeq, 4, 1, 3, 5);
   EXPECT_EQ(s.windows_per_epoch(), 1001 / 16);
   EXPECT_EQ(s.steps_per_epoch(), (1001 / 16) / 12);
@@ -187,7 +194,7 @@ TEST(Sampler, BatchesAreWindowsOfTheTrainingSplit) {
     for (int i = 0; i < 4; ++i) {
       ASSERT_GE(starts[i], 0);
       ASSERT_LE(starts[i] + 16, c.train_size());
-      EXPECT_EQ(tensor_bytes(b[i]), std::string(reinterpret_cast<const char*>(c.train_data()) + starts[i], 16));
+      EXPECT_EQ(tensor_bytes(b[i]), corpus_bytes(c, starts[i], 16));
     }
   }
   EXPECT_EQ(s.step(), 12);
@@ -328,7 +335,7 @@ TEST(Sampler, RefusesAStateItCannotResumeExactly) {
 
 TEST(ValidationBatches, SequentialWindowsCoverEveryTargetOnce) {
   const auto text = random_bytes(1000);
-  const auto c = ByteCorpus::from_bytes(text, 0.1, "test");  // 100 validation bytes
+  const auto c = Corpus::from_bytes(text, 0.1, "test");  // 100 validation bytes
   const std::string val = text.substr(900);
   const int64_t seq = 8;  // (100 - 1) / 8 = 12 windows: batches of 5, 5, 2
   const auto batches = validation_batches(c, seq, 5);
