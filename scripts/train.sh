@@ -16,10 +16,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / ranks > 0 ? $(nproc) / 
 args=("$@")
 if (( ${#args[@]} == 0 )); then
   args=(train --data "$root/data/tinyshakespeare.txt" --preset small --seq 128 --batch 8 --steps 300
-        --zero-level 3 --eval-interval 100 --ckpt-interval 100 --out "$root/runs/gpt" --resume)
+        --zero-level 3 --eval-interval 100 --ckpt-interval 100 --out "$root/runs/gpt" --resume
+        --tensorboard "$root/runs/gpt/tensorboard")
 fi
 mpirun -np "$ranks" "${flags[@]}" "$build/apps/ztrain-gpt/ztrain-gpt" "${args[@]}"
 if [[ ${args[0]} == train && ${#@} -eq 0 ]]; then
-  "$build/apps/ztrain-gpt/ztrain-gpt" plot --metrics "$root/runs/gpt/metrics.jsonl" --out "$root/runs/gpt"
   "$build/apps/ztrain-gpt/ztrain-gpt" sample --model "$root/runs/gpt/model.safetensors" --prompt "ROMEO:" --tokens 200
+  echo "curves: ${ZTRAIN_VENV:-$root/.venv}/bin/tensorboard --logdir $root/runs/gpt/tensorboard"
 fi

@@ -1,14 +1,12 @@
-// ztrain-gpt: train a GPT on your own text, evaluate it, score a file, sample from it, plot.
+// ztrain-gpt: train a GPT on your own text, evaluate it, score a file, sample from it, make a tokenizer.
 //
 //   mpirun -np 2 ztrain-gpt train --data corpus.txt --preset small --steps 1000 --out runs/gpt
 //   ztrain-gpt score --model runs/gpt/model.safetensors --input some.txt
 //   ztrain-gpt sample --model runs/gpt/model.safetensors --prompt "ROMEO:" --tokens 200
-//   ztrain-gpt plot --metrics runs/gpt/metrics.jsonl --out runs/gpt
 //   ztrain-gpt tokenizer train --data corpus.txt --vocab-size 4096 --out tokenizer.json
 //
 // See docs/ztrain-gpt.md for every option.
 #include "data.h"
-#include "plot.h"
 #include "progress.h"
 #include "tensorboard.h"
 #include "tokenizer.h"
@@ -535,7 +533,7 @@ int train(TrainArgs a) {
   return 0;
 }
 
-// ---- eval, score, sample, plot -------------------------------------------------------------------
+// ---- eval, score, sample -------------------------------------------------------------------------
 
 /// What eval, score and sample share: the model (a file, checkpoint or Hugging Face directory),
 /// its tokenizer when not the one beside it, the device.
@@ -629,11 +627,6 @@ int sample(const ModelSource& m, const std::string& prompt, int64_t n, double te
   }
   const auto text = prompt + tokenizer->decode({ids.begin() + static_cast<std::ptrdiff_t>(prompt_tokens), ids.end()});
   if (zt::rank() == 0) std::cout << text << std::endl;
-  return 0;
-}
-
-int plot(const std::string& metrics, const std::string& out) {
-  for (const auto& p : zt::gpt_app::plot_metrics(metrics, out)) std::cout << "wrote " << p << "\n";
   return 0;
 }
 
@@ -769,7 +762,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--tensorboard", t.tensorboard,
                         "also write the metrics as TensorBoard event files into this directory");
 
-  std::string data, input, logits, prompt = "\n", metrics, out = ".", output, token_cache;
+  std::string data, input, logits, prompt = "\n", output, token_cache;
   double validation_fraction = 0.05, temperature = 0.8;
   int64_t seq = 128, batch = 8, eval_batches = 8, tokens = 200, top_k = 40;
   uint64_t seed = 1;
@@ -795,9 +788,6 @@ int main(int argc, char** argv) {
   sample_cmd->add_option("--temperature", temperature)->capture_default_str();
   sample_cmd->add_option("--top-k", top_k, "sample among the k likeliest tokens (0: all)")->capture_default_str();
   sample_cmd->add_option("--seed", seed)->capture_default_str();
-  auto* plot_cmd = app.add_subcommand("plot", "PNG plots of a metrics.jsonl: loss.png and throughput.png");
-  plot_cmd->add_option("--metrics", metrics)->required();
-  plot_cmd->add_option("--out", out, "output directory")->capture_default_str();
 
   auto* tokenizer_cmd = app.add_subcommand("tokenizer", "train a tokenizer, or encode and decode with one");
   tokenizer_cmd->require_subcommand(1);
@@ -833,7 +823,6 @@ int main(int argc, char** argv) {
     if (*eval_cmd) return eval(source, data, token_cache, validation_fraction, seq, batch, eval_batches);
     if (*score_cmd) return score(source, input, logits);
     if (*sample_cmd) return sample(source, prompt, tokens, temperature, top_k, seed);
-    if (*plot_cmd) return plot(metrics, out);
     if (*tok_train) return tokenizer_train(tt);
     if (*tok_encode) return tokenizer_encode(tokenizer_path, input, output);
     if (*tok_decode) return tokenizer_decode(tokenizer_path, input, output);

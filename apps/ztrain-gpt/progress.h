@@ -3,7 +3,7 @@
 ///
 /// ProgressBar draws one line per step: redrawn in place with '\r' on a terminal, or printed as
 /// plain lines every few steps when the output is a file or a pipe. MetricsLog appends one JSON
-/// object per line (JSONL) that read_metrics and plot_metrics read back.
+/// object per line (JSONL) that read_metrics reads back.
 ///
 ///   ProgressBar bar(total_steps, stdout_is_terminal(), {.start_step = resumed_step});
 ///   MetricsLog log(out_dir + "/metrics.jsonl");

@@ -893,6 +893,7 @@ void train_sentencepiece(const std::vector<std::string>& inputs, const std::stri
       {"allow_whitespace_only_pieces", "true"},
       {"character_coverage", "0.9995"},
       {"max_sentence_length", "1000000"},
+      {"hard_vocab_limit", "false"},  // a small corpus gives a smaller vocabulary, as BPE's merges stop
       {"minloglevel", "2"}};
   const auto status = sentencepiece::SentencePieceTrainer::Train(args);
   ZTRAIN_CHECK(status.ok(), "SentencePiece training failed: ", status.ToString());

@@ -11,7 +11,8 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 TAGS = {"loss": "loss", "lr": "lr", "tokens_per_s": "tokens_per_s", "mem_bytes": "mem_bytes",
-        "grad_norm": "grad_norm", "loss_scale": "loss_scale", "val_loss": "val_loss"}
+        "grad_norm": "grad_norm", "loss_scale": "loss_scale", "val_loss": "val_loss",
+        "val_loss_per_byte": "val_loss_per_byte"}
 
 
 def main(tb_dir, metrics_path):

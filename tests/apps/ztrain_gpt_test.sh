@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Usage: ztrain_gpt_test.sh ZTRAIN_GPT MPIRUN CORPUS WORKDIR
-# Trains a tiny GPT on 2 ranks with checkpoints, resumes on 1 rank, and runs every subcommand.
+# Trains a tiny GPT on 2 ranks with checkpoints, resumes on 1 rank, runs every subcommand, and
+# trains on a BPE tokenizer through the token cache.
 set -euo pipefail
 gpt=$1 mpirun=$2 corpus=$3 work=$4
 rm -rf "$work" && mkdir -p "$work"
@@ -29,12 +30,33 @@ awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }' || fail "loss did
   | grep -q '^val_loss=' || fail "eval of a checkpoint printed no val_loss"
 head -c 3000 "$corpus" > "$work/score.txt"
 score=$("$gpt" score --model "$work/run/model.safetensors" --input "$work/score.txt")
-[[ $score =~ ^loss=[0-9.]+$ ]] || fail "score printed '$score'"
-awk -v s="${score#loss=}" 'BEGIN { exit !(s > 0 && s < 5.0) }' || fail "score out of range: $score"
+[[ $score =~ ^loss=([0-9.]+)\ loss_per_byte=([0-9.]+)\ tokens=3000$ ]] || fail "score printed '$score'"
+[[ ${BASH_REMATCH[1]} == "${BASH_REMATCH[2]}" ]] || fail "bytes: the loss per byte is the loss per token: $score"
+awk -v s="${BASH_REMATCH[1]}" 'BEGIN { exit !(s > 0 && s < 5.0) }' || fail "score out of range: $score"
 "$gpt" sample --model "$work/run/model.safetensors" --prompt "ROMEO:" --tokens 40 > "$work/sample.txt"
 [[ $(head -c 6 "$work/sample.txt") == ROMEO: ]] || fail "sample does not start with the prompt"
-"$gpt" plot --metrics "$work/run/metrics.jsonl" --out "$work/run" | grep -q loss.png || fail "no loss plot"
-[[ $(head -c 4 "$work/run/loss.png" | tail -c 3) == PNG ]] || fail "loss.png is not a PNG"
+
+# A BPE tokenizer: trained here, used on 2 ranks through the token cache (written once, then mapped),
+# and found beside the model by score and sample.
+"$gpt" tokenizer train --data "$work/corpus.txt" --vocab-size 512 --out "$work/tokenizer.json" | grep -q "vocabulary 512" \
+  || fail "tokenizer train did not make 512 tokens"
+bpe=(--data "$work/corpus.txt" --tokenizer "$work/tokenizer.json" --token-cache "$work/cache" --preset tiny --seq 32
+     --batch 4 --steps 10 --eval-interval 10 --eval-batches 2)
+"${mp[@]}" -np 2 "$gpt" train "${bpe[@]}" --out "$work/bpe" | tee "$work/bpe.log"
+grep -q "validation tokens of $work/tokenizer.json, vocabulary 512" "$work/bpe.log" || fail "the BPE run did not say its tokenizer"
+cached=("$work"/cache/*.tokens)
+[[ ${#cached[@]} -eq 1 && -f ${cached[0]} ]] || fail "expected one token file in $work/cache"
+stamp=$(stat -c %Y.%s "${cached[0]}")
+"${mp[@]}" -np 2 "$gpt" train "${bpe[@]}" --out "$work/bpe2" > "$work/bpe2.log"
+[[ $(stat -c %Y.%s "${cached[0]}") == "$stamp" ]] || fail "the token file was written again"
+cmp -s <(grep -o '"loss":[0-9.]*' "$work/bpe/metrics.jsonl") <(grep -o '"loss":[0-9.]*' "$work/bpe2/metrics.jsonl") \
+  || fail "a run on the cached tokens differs from the run that made them"
+grep -q '"val_loss_per_byte"' "$work/bpe/metrics.jsonl" || fail "no val_loss_per_byte in metrics.jsonl"
+[[ -f $work/bpe/tokenizer.json ]] || fail "train did not copy the tokenizer beside the model"
+score=$("$gpt" score --model "$work/bpe/model.safetensors" --input "$work/score.txt")
+[[ $score =~ tokens=([0-9]+)$ ]] && (( BASH_REMATCH[1] < 2000 )) || fail "score did not use the BPE tokenizer: $score"
+"$gpt" sample --model "$work/bpe/model.safetensors" --prompt "ROMEO:" --tokens 20 > "$work/bpe_sample.txt"
+[[ $(head -c 6 "$work/bpe_sample.txt") == ROMEO: ]] || fail "BPE sample does not start with the prompt"
 
 # Bad input: clear errors, non-zero exit.
 if "$gpt" train --data "$work/missing.txt" --preset tiny --steps 1 > "$work/err1.log" 2>&1; then fail "missing data accepted"; fi
@@ -52,4 +74,14 @@ if "$gpt" score --model "$work/run/model.safetensors" --input "$work/score.txt" 
   fail "device cuda:99 accepted"
 fi
 grep -q "cuda:99" "$work/err5.log" || fail "the missing-device error does not name it: $(cat "$work/err5.log")"
+if "$gpt" train --data "$work/corpus.txt" --tokenizer "$work/none.json" --preset tiny --steps 1 > "$work/err6.log" 2>&1; then
+  fail "a missing tokenizer accepted"
+fi
+grep -q "cannot open tokenizer file '$work/none.json'" "$work/err6.log" || fail "the tokenizer error does not name it: $(cat "$work/err6.log")"
+mkdir -p "$work/moved/a/b" && cp "$work/bpe/model.safetensors" "$work/moved/a/b/"
+if "$gpt" score --model "$work/moved/a/b/model.safetensors" --input "$work/score.txt" > "$work/err7.log" 2>&1; then
+  fail "a BPE model scored without its tokenizer"
+fi
+grep -q "trained with the tokenizer tokenizer.json, which is not beside it; pass --tokenizer" "$work/err7.log" \
+  || fail "the lost-tokenizer error does not say what to do: $(cat "$work/err7.log")"
 echo "ztrain_gpt_test: all passed"
