@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: installs dependencies, builds, and trains a small GPT with ztrain-gpt on 2 ranks
-# (or $ZTRAIN_RANKS) on the bundled Shakespeare corpus, with checkpoints; run it again to
-# continue from the latest checkpoint. Extra arguments replace the default ones, e.g.
+# The main job: installs dependencies, builds, learns a BPE tokenizer from the bundled Shakespeare
+# corpus and trains a small GPT on it with ztrain-gpt on 2 ranks (or $ZTRAIN_RANKS), with
+# checkpoints; run it again to continue from the latest checkpoint. Extra arguments replace the
+# default ones, e.g.
 #   scripts/train.sh train --data my_texts/ --preset medium --steps 5000 --zero-level 3
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,13 +15,18 @@ flags=(--bind-to none)
 [[ $(id -u) -eq 0 ]] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / ranks > 0 ? $(nproc) / ranks : 1 ))}
 args=("$@")
+gpt=$build/apps/ztrain-gpt/ztrain-gpt
 if (( ${#args[@]} == 0 )); then
-  args=(train --data "$root/data/tinyshakespeare.txt" --preset small --seq 128 --batch 8 --steps 300
+  # The tokenizer is learnt once: a resumed run must keep the ids it started with.
+  [[ -f $root/runs/gpt/tokenizer.json ]] ||
+    "$gpt" tokenizer train --data "$root/data/tinyshakespeare.txt" --vocab-size 4096 --out "$root/runs/gpt/tokenizer.json"
+  args=(train --data "$root/data/tinyshakespeare.txt" --tokenizer "$root/runs/gpt/tokenizer.json"
+        --preset small --seq 128 --batch 8 --steps 300
         --zero-level 3 --eval-interval 100 --ckpt-interval 100 --out "$root/runs/gpt" --resume
         --tensorboard "$root/runs/gpt/tensorboard")
 fi
-mpirun -np "$ranks" "${flags[@]}" "$build/apps/ztrain-gpt/ztrain-gpt" "${args[@]}"
+mpirun -np "$ranks" "${flags[@]}" "$gpt" "${args[@]}"
 if [[ ${args[0]} == train && ${#@} -eq 0 ]]; then
-  "$build/apps/ztrain-gpt/ztrain-gpt" sample --model "$root/runs/gpt/model.safetensors" --prompt "ROMEO:" --tokens 200
+  "$gpt" sample --model "$root/runs/gpt/model.safetensors" --prompt "ROMEO:" --tokens 80
   echo "curves: ${ZTRAIN_VENV:-$root/.venv}/bin/tensorboard --logdir $root/runs/gpt/tensorboard"
 fi

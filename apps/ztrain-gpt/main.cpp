@@ -648,6 +648,7 @@ struct TokenizerTrainArgs {
 int tokenizer_train(const TokenizerTrainArgs& a) {
   std::vector<std::string> files, texts;
   for (const auto& f : zt::gpt_app::list_corpus(a.data)) files.push_back(f.string());
+  if (const auto dir = fs::path(a.out).parent_path(); !dir.empty()) fs::create_directories(dir);
   const auto t0 = Clock::now();
   if (a.kind == "bpe") {
     for (const auto& f : files) texts.push_back(read_text(f));

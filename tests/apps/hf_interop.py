@@ -8,13 +8,16 @@
     hf_interop.py make MODEL_DIR TEXT
         writes a random GPT2LMHeadModel with save_pretrained and prints its loss on TEXT, windowed
         as `ztrain-gpt score` windows it
+    hf_interop.py tokenized MODEL_DIR TEXT
+        loads a directory ztrain-gpt train wrote with a BPE tokenizer through AutoTokenizer and
+        GPT2LMHeadModel and prints its loss on TEXT's tokens, windowed as `ztrain-gpt score` does
 """
 import math
 import sys
 
 import torch
 from safetensors.torch import load_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 
 def byte_tokens(path):
@@ -39,8 +42,20 @@ def make(model_dir, text):
                         embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(config).eval()
     model.save_pretrained(model_dir, safe_serialization=True)
-    tokens = byte_tokens(text)
-    window, total, count = config.n_positions, 0.0, 0
+    print(f"{windowed_loss(model, byte_tokens(text)):.10f}")
+
+
+def tokenized(model_dir, text):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = GPT2LMHeadModel.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with open(text, encoding="utf-8") as f:
+        tokens = torch.tensor(tokenizer(f.read())["input_ids"], dtype=torch.long)
+    print(f"{windowed_loss(model, tokens):.10f}")
+
+
+def windowed_loss(model, tokens):
+    """Mean next-token loss over windows of n_positions + 1 tokens overlapping by one."""
+    window, total, count = model.config.n_positions, 0.0, 0
     with torch.no_grad():
         for begin in range(0, len(tokens) - 1, window):
             chunk = tokens[begin : begin + window + 1].unsqueeze(0)
@@ -48,9 +63,9 @@ def make(model_dir, text):
             loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)).double(), chunk[0, 1:])
             total += loss.item() * (chunk.size(1) - 1)
             count += chunk.size(1) - 1
-    print(f"{total / count:.10f}")
     assert math.isfinite(total)
+    return total / count
 
 
 if __name__ == "__main__":
-    {"logits": logits, "make": make}[sys.argv[1]](*sys.argv[2:])
+    {"logits": logits, "make": make, "tokenized": tokenized}[sys.argv[1]](*sys.argv[2:])

@@ -2,7 +2,8 @@
 # Usage: hf_interop_test.sh ZTRAIN_GPT PYTHON CORPUS WORKDIR
 # Hugging Face transformers (PYTHON's) and ztrain-gpt, both ways: the directory train writes
 # loads with GPT2LMHeadModel.from_pretrained and gives ztrain's logits; a model transformers
-# made and saved with save_pretrained scores the same loss in ztrain-gpt score.
+# made and saved with save_pretrained scores the same loss in ztrain-gpt score; a model trained on a
+# BPE tokenizer loads with its tokenizer through AutoTokenizer and scores the same loss.
 set -euo pipefail
 gpt=$1 python=$2 corpus=$3 work=$4
 here=$(cd "$(dirname "$0")" && pwd)
@@ -28,4 +29,14 @@ got=$("$gpt" score --model "$work/hf" --input "$work/text.txt" | sed -n 's/^loss
 echo "transformers' model: loss $want in transformers, $got in ztrain-gpt"
 awk -v a="$want" -v b="$got" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-5 * a) }' \
   || fail "ztrain-gpt scores transformers' model $got, transformers $want"
+
+# With a BPE tokenizer: the directory is one that AutoTokenizer reads too, and the loss agrees.
+"$gpt" tokenizer train --data "$work/corpus.txt" --vocab-size 512 --out "$work/tokenizer.json" > /dev/null
+"$gpt" train --data "$work/corpus.txt" --tokenizer "$work/tokenizer.json" --token-cache "$work/cache" --preset tiny \
+  --seq 32 --batch 4 --steps 5 --eval-interval 0 --out "$work/bpe" > "$work/bpe.log"
+want=$("$python" "$here/hf_interop.py" tokenized "$work/bpe" "$work/text.txt")
+got=$("$gpt" score --model "$work/bpe" --input "$work/text.txt" | sed -n 's/^loss=\([^ ]*\).*/\1/p')
+echo "BPE model through AutoTokenizer: loss $want in transformers, $got in ztrain-gpt"
+awk -v a="$want" -v b="$got" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-5 * a) }' \
+  || fail "ztrain-gpt scores the BPE model $got, transformers with AutoTokenizer $want"
 echo "hf_interop_test: all passed"
