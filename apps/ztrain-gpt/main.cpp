@@ -410,6 +410,20 @@ Corpus load_corpus(const std::string& path, const Tokenizer& tokenizer, double v
   return std::move(*corpus);
 }
 
+/// Refuses a checkpoint of another model or tokenizer with what to do, before its tensors are read.
+void check_resumable(const std::string& dir, const json& config) {
+  std::ifstream in(dir + "/manifest.json");
+  const auto extra = json::parse(in, nullptr, false);
+  if (extra.is_discarded() || !extra.contains("extra") || !extra.at("extra").contains("config")) return;  // load says
+  auto saved = extra.at("extra").at("config");
+  if (!saved.contains("tokenizer")) saved["tokenizer"] = "bytes";
+  ZTRAIN_CHECK(saved.at("tokenizer") == config.at("tokenizer") && saved.at("vocab_size") == config.at("vocab_size"),
+               "checkpoint ", dir, " was trained on ", saved.at("tokenizer").get<std::string>(), " (vocabulary ",
+               saved.at("vocab_size").get<int64_t>(), "), this run uses ", config.at("tokenizer").get<std::string>(),
+               " (vocabulary ", config.at("vocab_size").get<int64_t>(),
+               "): resume with the tokenizer it was trained with, or train into another --out");
+}
+
 int train(TrainArgs a) {
   ZTRAIN_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
   ZTRAIN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
@@ -439,9 +453,13 @@ int train(TrainArgs a) {
   const zt::TrainingState state{model, *opt, mgr};
   const std::string ckpt_dir = a.ckpt_dir.empty() ? a.out + "/checkpoints" : a.ckpt_dir;
 
+  const std::string tokenizer_name = tokenizer_file_name(*tokenizer);
+  json model_config = config_json(config);
+  model_config["tokenizer"] = tokenizer_name;
   int64_t step = 0;
   if (a.resume) {
     if (auto dir = zt::latest_checkpoint(ckpt_dir)) {
+      check_resumable(*dir, model_config);
       const auto info = zt::load_checkpoint(*dir, state);
       sampler.set_state(json::parse(info.extra_json).at("sampler").get<zt::gpt_app::SamplerState>());
       step = info.step;
@@ -450,7 +468,6 @@ int train(TrainArgs a) {
       zt::print_rank("no checkpoint under ", ckpt_dir, ": starting from scratch");
     }
   }
-  const std::string tokenizer_name = tokenizer_file_name(*tokenizer);
   if (rt.rank() == 0) {
     fs::create_directories(a.out);
     if (tokenizer_name != "bytes" && !fs::equivalent(tokenizer->path(), a.out + "/" + tokenizer_name)) {
@@ -458,8 +475,6 @@ int train(TrainArgs a) {
     }
   }
   zt::synchronize();
-  json model_config = config_json(config);
-  model_config["tokenizer"] = tokenizer_name;
 
   const int64_t tokens_per_step = a.batch * *a.seq * micro_batches * dp;
   const std::string pipeline =

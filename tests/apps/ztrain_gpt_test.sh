@@ -84,4 +84,9 @@ if "$gpt" score --model "$work/moved/a/b/model.safetensors" --input "$work/score
 fi
 grep -q "trained with the tokenizer tokenizer.json, which is not beside it; pass --tokenizer" "$work/err7.log" \
   || fail "the lost-tokenizer error does not say what to do: $(cat "$work/err7.log")"
+if "$gpt" train "${common[@]}" --batch 8 --steps 31 --resume --tokenizer "$work/tokenizer.json" > "$work/err8.log" 2>&1; then
+  fail "a byte-level checkpoint resumed with a BPE tokenizer"
+fi
+grep -q "was trained on bytes (vocabulary 256), this run uses tokenizer.json (vocabulary 512)" "$work/err8.log" \
+  || fail "the tokenizer-mismatch error does not say both: $(cat "$work/err8.log")"
 echo "ztrain_gpt_test: all passed"
