@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Downloads the Debian 12 packages that scripts/gpu_check.sh unpacks on a GPU machine without a
 # package registry: Open MPI (launcher, library, headers) with the libraries it loads, GoogleTest,
-# CLI11, nlohmann-json and OpenSSL's libcrypto. Run on a Debian 12 machine with network; carry
-# DIR along.
+# CLI11, nlohmann-json, OpenSSL's libcrypto, PCRE2 and libsentencepiece. Run on a Debian 12
+# machine with network; carry DIR along.
 #
 #   scripts/gpu_debs.sh gpu-debs            # then, there: ZTRAIN_DEBS=gpu-debs scripts/gpu_check.sh
 set -euo pipefail
@@ -14,6 +14,8 @@ packages=(
   libmunge2 libnuma1 libltdl7 libpciaccess0
   libgtest-dev libgmock-dev googletest libcli11-dev nlohmann-json3-dev         # build and tests
   libssl-dev libssl3                                                           # checkpoint checksums
+  libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3        # tokenizers
+  libsentencepiece-dev libsentencepiece0
 )
 mkdir -p "$dir"
 cd "$dir"
