@@ -5,7 +5,8 @@ the same files in one run, printed as a Markdown table.
     .venv/bin/python bench/tokenizer_bench.py [--ztrain-gpt build/apps/ztrain-gpt/ztrain-gpt]
         [--corpus data/tinyshakespeare.txt] [--vocab-size 4096] [--repeat 3]
 
-For each tokenizer, learnt from the corpus: its training time, and the MB/s of encoding the corpus
+For each tokenizer, learnt from the corpus: its training time (in-process, file reading included),
+and the MB/s of encoding the corpus
 as one text (the best of --repeat), by ztrain-gpt (`tokenizer encode`, which times the encode
 alone, one thread) and by the library (`tokenizers` / `sentencepiece`, one call on one string;
 `tokenizers` also as encode_batch over the corpus' lines, which uses every core). The ids are
@@ -37,6 +38,11 @@ def cpu_name():
 
 def ztrain(gpt, *args):
     return subprocess.run([gpt, *args], check=True, capture_output=True, text=True).stdout
+
+
+def train_seconds(output):
+    """The training time `ztrain-gpt tokenizer train` reports (the process's start left out)."""
+    return float(re.search(r"in ([0-9.e+-]+) s", output).group(1))
 
 
 def ztrain_encode(gpt, tokenizer, corpus, out, repeat):
@@ -80,10 +86,8 @@ def main():
                                                 show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     hf_train_s = time.perf_counter() - t0
     hf.save(str(work / "hf.json"))
-    t0 = time.perf_counter()
-    ztrain(a.ztrain_gpt, "tokenizer", "train", "--data", str(corpus), "--vocab-size", str(a.vocab_size),
-           "--out", str(work / "ztrain.json"))
-    z_train_s = time.perf_counter() - t0
+    z_train_s = train_seconds(ztrain(a.ztrain_gpt, "tokenizer", "train", "--data", str(corpus), "--vocab-size",
+                                     str(a.vocab_size), "--out", str(work / "ztrain.json")))
     for name, path, train_s in (("BPE learnt by tokenizers", work / "hf.json", hf_train_s),
                                 ("BPE learnt by ztrain-gpt", work / "ztrain.json", z_train_s)):
         tok = Tokenizer.from_file(str(path))
@@ -98,10 +102,8 @@ def main():
     # SentencePiece, learnt by libsentencepiece through ztrain-gpt; encoded by it and by the Python package.
     for kind in ("sentencepiece-unigram", "sentencepiece-bpe"):
         path = work / f"{kind}.model"
-        t0 = time.perf_counter()
-        ztrain(a.ztrain_gpt, "tokenizer", "train", "--kind", kind, "--data", str(corpus), "--vocab-size",
-               str(a.vocab_size), "--out", str(path))
-        train_s = time.perf_counter() - t0
+        train_s = train_seconds(ztrain(a.ztrain_gpt, "tokenizer", "train", "--kind", kind, "--data", str(corpus),
+                                       "--vocab-size", str(a.vocab_size), "--out", str(path)))
         sp = spm.SentencePieceProcessor(model_file=str(path))
         ours, ids = ztrain_encode(a.ztrain_gpt, path, corpus, work / "ids.json", a.repeat)
         single, ref = best_rate(lambda: sp.encode(text), nbytes, a.repeat)
