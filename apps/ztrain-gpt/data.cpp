@@ -25,9 +25,12 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <filesystem>
+#include <future>
 #include <fstream>
 #include <iterator>
+#include <thread>
 
 namespace fs = std::filesystem;
 
@@ -128,7 +131,9 @@ std::array<unsigned char, 32> cache_key(const std::vector<fs::path>& files, cons
   return key;
 }
 
-/// Encodes `files` into a new token file at `target` (written aside, then renamed).
+/// Encodes `files` into a new token file at `target`: written aside, then renamed. The files are
+/// encoded on as many threads as the host has cores (each file by one thread, so at most that
+/// many files' text and ids are in memory at once) and written in order.
 void write_token_file(const std::vector<fs::path>& files, const Tokenizer& tokenizer,
                       const std::array<unsigned char, 32>& key, const fs::path& target) {
   const int width = tokenizer.vocab_size() <= 65536 ? 2 : 4;
@@ -141,26 +146,43 @@ void write_token_file(const std::vector<fs::path>& files, const Tokenizer& token
   h.vocab_size = tokenizer.vocab_size();
   std::copy(key.begin(), key.end(), h.key);
   out.write(reinterpret_cast<const char*>(&h), sizeof(h));
-  uint64_t count = 0;
-  std::vector<uint16_t> narrow;
-  for (const auto& f : files) {
-    const auto ids = tokenizer.encode(read_file(f));
-    count += ids.size();
-    if (width == 4) {
-      out.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 4));
-    } else {
-      narrow.assign(ids.begin(), ids.end());
-      out.write(reinterpret_cast<const char*>(narrow.data()), static_cast<std::streamsize>(narrow.size() * 2));
+  try {
+    const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, files.size());
+    std::deque<std::future<std::vector<int32_t>>> pending;
+    size_t next = 0;
+    auto launch = [&] {
+      pending.push_back(std::async(std::launch::async, [&tokenizer, f = files[next++]] {
+        return tokenizer.encode(read_file(f));
+      }));
+    };
+    while (next < files.size() && pending.size() < threads) launch();
+    uint64_t count = 0;
+    std::vector<uint16_t> narrow;
+    while (!pending.empty()) {
+      const auto ids = pending.front().get();
+      pending.pop_front();
+      if (next < files.size()) launch();
+      count += ids.size();
+      if (width == 4) {
+        out.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 4));
+      } else {
+        narrow.assign(ids.begin(), ids.end());
+        out.write(reinterpret_cast<const char*>(narrow.data()), static_cast<std::streamsize>(narrow.size() * 2));
+      }
     }
+    h.count = count;
+    out.seekp(0);
+    out.write(reinterpret_cast<const char*>(&h), sizeof(h));
+    out.close();
+    ZTRAIN_CHECK(out, "error while writing the token file ", tmp.string(), " (disk full?)");
+    std::error_code ec;
+    fs::rename(tmp, target, ec);
+    ZTRAIN_CHECK(!ec, "cannot publish the token file ", target.string(), ": ", ec.message());
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(tmp, ec);  // nothing half-written stays behind
+    throw;
   }
-  h.count = count;
-  out.seekp(0);
-  out.write(reinterpret_cast<const char*>(&h), sizeof(h));
-  out.close();
-  ZTRAIN_CHECK(out, "error while writing the token file ", tmp.string(), " (disk full?)");
-  std::error_code ec;
-  fs::rename(tmp, target, ec);
-  ZTRAIN_CHECK(!ec, "cannot publish the token file ", target.string(), ": ", ec.message());
 }
 
 }  // namespace

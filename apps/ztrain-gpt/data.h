@@ -46,7 +46,8 @@ std::vector<std::filesystem::path> list_corpus(const std::string& path);
 /// keeps at least one) is the validation split, the rest the training split. Raises ztrain::Error
 /// for a missing path, a directory without files, an empty corpus, or a fraction outside [0, 1).
 ///
-/// With a tokenizer other than bytes, each file is encoded on its own and the ids concatenated.
+/// With a tokenizer other than bytes, each file is encoded on its own (files in parallel, one
+/// thread each, up to the host's cores) and the ids concatenated.
 /// The ids are kept in a token file in `cache_dir`, named by the SHA-256 of the tokenizer file and
 /// the corpus' bytes: a later load of the same text with the same tokenizer maps that file instead
 /// of tokenizing again. The file is written under a temporary name and renamed when complete, so

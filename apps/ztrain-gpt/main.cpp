@@ -389,10 +389,14 @@ std::string tokenizer_file_name(const Tokenizer& t) {
 
 /// The corpus of `path` in `tokenizer`'s ids. A token file missing from the cache is written by
 /// the first rank on each host while the others wait, then mapped by all; when that rank fails,
-/// every rank raises.
+/// every rank raises. The wait's deadline grows with the corpus (the communication timeout plus
+/// a second per 0.5 MB, below the slowest tokenizer measured), so that a large corpus is not
+/// taken for a dead rank.
 Corpus load_corpus(const std::string& path, const Tokenizer& tokenizer, double validation_fraction,
                    const std::string& cache_dir) {
   if (tokenizer.kind() == "bytes") return Corpus::load(path, validation_fraction);
+  uintmax_t bytes = 0;
+  for (const auto& f : zt::gpt_app::list_corpus(path)) bytes += fs::file_size(f);
   std::optional<Corpus> corpus;
   std::string error;
   if (zt::runtime().local_rank() == 0) {
@@ -403,7 +407,16 @@ Corpus load_corpus(const std::string& path, const Tokenizer& tokenizer, double v
     }
   }
   auto failed = torch::tensor({error.empty() ? 0.0f : 1.0f});
-  zt::runtime().world().all_reduce(failed, zt::ReduceOp::kMax);
+  auto& world = zt::runtime().world();
+  const auto timeout = world.timeout();
+  world.set_timeout(timeout + std::chrono::seconds(static_cast<int64_t>(bytes / 500000)));
+  try {
+    world.all_reduce(failed, zt::ReduceOp::kMax);
+  } catch (...) {
+    world.set_timeout(timeout);
+    throw;
+  }
+  world.set_timeout(timeout);
   ZTRAIN_CHECK(error.empty(), error);
   ZTRAIN_CHECK(failed.item<float>() == 0, "tokenizing ", path, " failed on another rank (its message says why)");
   if (!corpus) corpus = Corpus::load(path, tokenizer, validation_fraction, cache_dir);

@@ -58,7 +58,17 @@ score=$("$gpt" score --model "$work/bpe/model.safetensors" --input "$work/score.
 "$gpt" sample --model "$work/bpe/model.safetensors" --prompt "ROMEO:" --tokens 20 > "$work/bpe_sample.txt"
 [[ $(head -c 6 "$work/bpe_sample.txt") == ROMEO: ]] || fail "BPE sample does not start with the prompt"
 
-# Bad input: clear errors, non-zero exit.
+# A corpus that takes longer to tokenize than the communication deadline: the other rank waits
+# for it (its deadline grows with the corpus) instead of taking the first rank for dead.
+mkdir -p "$work/big"
+for i in 1 2 3 4 5 6; do cp "$corpus" "$work/big/part$i.txt"; done
+"$gpt" tokenizer train --kind sentencepiece-bpe --data "$work/corpus.txt" --vocab-size 600 --out "$work/sp.model" > /dev/null
+t0=$(date +%s.%N)
+ZTRAIN_TIMEOUT_S=1 "${mp[@]}" -np 2 "$gpt" train --data "$work/big" --tokenizer "$work/sp.model" --token-cache "$work/cache" \
+  --preset tiny --seq 32 --batch 2 --steps 1 --eval-interval 0 --out "$work/big_run" > "$work/big.log" 2>&1 \
+  || fail "tokenizing a large corpus failed: $(tail -5 "$work/big.log")"
+echo "tokenized $(du -sh "$work/big" | cut -f1) while a rank waited with a 1 s deadline: $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
+
 if "$gpt" train --data "$work/missing.txt" --preset tiny --steps 1 > "$work/err1.log" 2>&1; then fail "missing data accepted"; fi
 grep -q "missing.txt" "$work/err1.log" || fail "the missing-data error does not name the file: $(cat "$work/err1.log")"
 if "$gpt" train --data "$work/corpus.txt" --preset tiny --zero-level 5 > "$work/err2.log" 2>&1; then fail "zero level 5 accepted"; fi
