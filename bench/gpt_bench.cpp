@@ -226,8 +226,12 @@ struct Args {
 };
 
 int run(const Args& a) {
-  auto& rt = zt::init_distributed(
-      {.seed = 1234, .device = a.device ? std::optional(zt::parse_device(*a.device, "--device")) : std::nullopt});
+  std::optional<c10::Device> device_option;
+  if (a.device) {
+    device_option = zt::parse_device(*a.device, "--device");
+    zt::resolve_device(*device_option, "--device");  // refused here, naming the option
+  }
+  auto& rt = zt::init_distributed({.seed = 1234, .device = device_option});
   const auto device = rt.device();
   auto& world = rt.world();
   ZTRAIN_CHECK(a.system == "ztrain" || a.system == "plain", "--system must be ztrain or plain, got ", a.system);

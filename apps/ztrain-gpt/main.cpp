@@ -249,9 +249,8 @@ LoadedModel load_model(const std::string& path, const std::string& tokenizer_opt
     config = config_from_hf(json::parse(in), path + "/config.json");
   } else if (fs::is_directory(path)) {
     file = path + "/model.safetensors";
-    std::ifstream manifest(path + "/manifest.json");
-    ZTRAIN_CHECK(manifest, "'", path, "' is a directory without manifest.json: not a checkpoint");
-    const auto extra = json::parse(manifest).at("extra");
+    ZTRAIN_CHECK(fs::exists(path + "/manifest.json"), "'", path, "' is a directory without manifest.json: not a checkpoint");
+    const auto extra = json::parse(zt::verify_checkpoint(path).extra_json);  // a damaged file is named
     ZTRAIN_CHECK(extra.contains("config"), "checkpoint '", path, "' was not written by ztrain-gpt train");
     config = config_from_json(extra.at("config"));
     recorded_tokenizer = extra.at("config").value("tokenizer", "bytes");
@@ -423,6 +422,32 @@ Corpus load_corpus(const std::string& path, const Tokenizer& tokenizer, double v
   return std::move(*corpus);
 }
 
+/// The newest checkpoint under `root` whose files match its manifest (rank 0 checks, every rank
+/// gets its answer); the newer ones that do not are skipped, saying which and why. Raises when
+/// there are checkpoints but none verifies: starting over would lose them to --keep-last.
+std::optional<std::string> newest_verified_checkpoint(const std::string& root) {
+  auto& world = zt::runtime().world();
+  std::string chosen;
+  int64_t skipped = 0;
+  if (world.rank() == 0) {
+    for (const auto& dir : zt::checkpoints(root)) {
+      try {
+        zt::verify_checkpoint(dir);
+        chosen = dir;
+        break;
+      } catch (const zt::Error& e) {
+        std::cout << "skipped checkpoint " << dir << ": " << e.what() << std::endl;
+        ++skipped;
+      }
+    }
+  }
+  chosen = world.broadcast_bytes(chosen, 0);
+  skipped = world.broadcast_object(skipped, 0);
+  ZTRAIN_CHECK(!chosen.empty() || skipped == 0, "none of the ", skipped, " checkpoints under ", root,
+               " verifies (each is named above); move them away to start over, or train into another --out");
+  return chosen.empty() ? std::nullopt : std::optional(chosen);
+}
+
 /// Refuses a checkpoint of another model or tokenizer with what to do, before its tensors are read.
 void check_resumable(const std::string& dir, const json& config) {
   std::ifstream in(dir + "/manifest.json");
@@ -471,7 +496,7 @@ int train(TrainArgs a) {
   model_config["tokenizer"] = tokenizer_name;
   int64_t step = 0;
   if (a.resume) {
-    if (auto dir = zt::latest_checkpoint(ckpt_dir)) {
+    if (auto dir = newest_verified_checkpoint(ckpt_dir)) {
       check_resumable(*dir, model_config);
       const auto info = zt::load_checkpoint(*dir, state);
       sampler.set_state(json::parse(info.extra_json).at("sampler").get<zt::gpt_app::SamplerState>());

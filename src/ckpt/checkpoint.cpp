@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -264,31 +265,66 @@ std::optional<std::string> latest_checkpoint(const std::string& root) {
   return best ? std::optional(best->second.string()) : std::nullopt;
 }
 
+std::vector<std::string> checkpoints(const std::string& root) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  if (fs::is_directory(root)) {
+    for (const auto& d : fs::directory_iterator(root)) {
+      auto s = parse_step(d.path().filename().string());
+      if (s && fs::exists(d.path() / "manifest.json")) found.emplace_back(*s, d.path().string());
+    }
+  }
+  std::sort(found.begin(), found.end(), std::greater<>());
+  std::vector<std::string> dirs;
+  for (auto& [step, dir] : found) dirs.push_back(std::move(dir));
+  return dirs;
+}
+
+namespace {
+
+/// The manifest of `dir`, after checking every file against the SHA-256 it records.
+json verified_manifest(const std::string& dir) {
+  auto manifest = read_manifest(dir);
+  ZTRAIN_CHECK(manifest.value("format", "") == "ztrain-checkpoint", "checkpoint: '", dir,
+               "/manifest.json' is not a ztrain checkpoint manifest");
+  for (const char* f : kFiles) {
+    const auto path = (fs::path(dir) / f).string();
+    ZTRAIN_CHECK(fs::exists(path), "checkpoint: '", path, "' is missing");
+    const auto want = manifest.at("files").at(f).get<std::string>();
+    const auto got = detail::sha256_file(path);
+    ZTRAIN_CHECK(got == want, "checkpoint: '", path, "' is corrupt: its SHA-256 is ", got, ", the manifest says ", want);
+  }
+  return manifest;
+}
+
+CheckpointInfo info_of(const std::string& dir, const json& manifest) {
+  return {.dir = dir,
+          .step = manifest.at("step").get<int64_t>(),
+          .world_size = manifest.at("world").at("size").get<int>(),
+          .extra_json = manifest.at("extra").dump()};
+}
+
+}  // namespace
+
+CheckpointInfo verify_checkpoint(const std::string& dir) {
+  try {
+    return info_of(dir, verified_manifest(dir));
+  } catch (const json::exception& e) {
+    ZTRAIN_CHECK(false, "checkpoint: '", dir, "/manifest.json' lacks a field: ", e.what());
+  }
+  return {};
+}
+
 CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& state) {
   auto& ctx = context_for(state.model);
   auto& world = ctx.world();
   json manifest;
-  on_rank0(world, [&] {
-    manifest = read_manifest(dir);
-    ZTRAIN_CHECK(manifest.value("format", "") == "ztrain-checkpoint", "checkpoint: '", dir,
-                 "/manifest.json' is not a ztrain checkpoint manifest");
-    for (const char* f : kFiles) {
-      const auto path = (fs::path(dir) / f).string();
-      ZTRAIN_CHECK(fs::exists(path), "checkpoint: '", path, "' is missing");
-      const auto want = manifest.at("files").at(f).get<std::string>();
-      const auto got = detail::sha256_file(path);
-      ZTRAIN_CHECK(got == want, "checkpoint: '", path, "' is corrupt: its SHA-256 is ", got, ", the manifest says ", want);
-    }
-  });
+  on_rank0(world, [&] { manifest = verified_manifest(dir); });
   manifest = json::parse(world.broadcast_bytes(world.rank() == 0 ? manifest.dump() : std::string(), 0));
 
   load(state.model, (fs::path(dir) / "model.safetensors").string());
   load_optimizer_state(state.model, state.optimizer, (fs::path(dir) / "optimizer.safetensors").string());
   state.manager.load_state(manager_state(manifest.at("optim_manager")));
-  CheckpointInfo info{.dir = dir,
-                      .step = manifest.at("step").get<int64_t>(),
-                      .world_size = manifest.at("world").at("size").get<int>(),
-                      .extra_json = manifest.at("extra").dump()};
+  CheckpointInfo info = info_of(dir, manifest);
   if (info.world_size == world.size()) {
     ckpt::SafetensorsReader file((fs::path(dir) / "rng.safetensors").string());
     for (auto& gen : rng::default_generators(ctx.device())) {

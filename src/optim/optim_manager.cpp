@@ -4,6 +4,7 @@
 #include <ztrain/runtime/parameter_record.h>
 
 #include <cmath>
+#include <optional>
 #include <unordered_map>
 
 namespace ztrain::optim {
@@ -67,19 +68,24 @@ double OptimManager::grad_norm() {
   // of the sum); a tensor the model does not record is a plain, replicated parameter.
   std::unordered_map<const c10::TensorImpl*, const ParameterRecord*> records;
   for (const auto& p : recorded_parameters(model_)) records.emplace(p.tensor.unsafeGetTensorImpl(), p.record);
-  double local = 0;
+  // Summed in fp64 on each gradient's device, in order, and read once (not once per tensor: on a
+  // GPU each read waits for the device).
+  std::optional<torch::Tensor> local;
   for (auto* o : optimizers_) {
     for (const auto& group : o->param_groups()) {
       for (const auto& p : group.params()) {
         if (!p.grad().defined()) continue;
         const auto it = records.find(p.unsafeGetTensorImpl());
         const ParameterRecord* r = it == records.end() ? nullptr : it->second;
-        const double sq = p.grad().to(torch::kFloat64).pow(2).sum().item<double>();
-        local += (r && r->dp_sharded ? sq : sq / dp) / (r && r->tp_distinct ? 1 : tp) / (r ? r->tied_copies : 1);
+        auto sq = p.grad().to(torch::kFloat64).pow(2).sum();
+        if (!(r && r->dp_sharded)) sq = sq / dp;
+        if (!(r && r->tp_distinct)) sq = sq / tp;
+        if (r) sq = sq / r->tied_copies;
+        local = local ? *local + sq.to(local->device()) : sq;
       }
     }
   }
-  auto total = torch::tensor({local}, torch::kFloat64);
+  auto total = local ? local->reshape({1}).to(torch::kCPU) : torch::zeros({1}, torch::kFloat64);
   if (context_) context_->world().all_reduce(total);
   return std::sqrt(total.item<double>());
 }
@@ -97,13 +103,12 @@ double OptimManager::clip_grad_norm(double max_norm) {
 
 bool OptimManager::step() {
   unscale();
-  bool overflow = false;
+  std::optional<torch::Tensor> finite;  // read once, as above
   for (const auto& g : gradients()) {
-    if (!torch::isfinite(g).all().item<bool>()) {
-      overflow = true;
-      break;
-    }
+    const auto f = torch::isfinite(g).all();
+    finite = finite ? finite->logical_and(f.to(finite->device())) : f;
   }
+  const bool overflow = finite && !finite->item<bool>();
   auto flag = torch::tensor({overflow ? 1 : 0}, torch::kInt32);
   if (context_) context_->world().all_reduce(flag, ReduceOp::kMax);
   const bool apply = scaler_.update(flag.item<int>() != 0);

@@ -99,4 +99,18 @@ if "$gpt" train "${common[@]}" --batch 8 --steps 31 --resume --tokenizer "$work/
 fi
 grep -q "was trained on bytes (vocabulary 256), this run uses tokenizer.json (vocabulary 512)" "$work/err8.log" \
   || fail "the tokenizer-mismatch error does not say both: $(cat "$work/err8.log")"
+
+# A damaged checkpoint: every reader names the file, and --resume falls back to the newest one that
+# verifies, saying which it skipped.
+ckpt=$work/run/checkpoints/step-00000030
+printf '\x55' | dd of="$ckpt/model.safetensors" bs=1 seek=20000 count=1 conv=notrunc status=none
+if "$gpt" eval --model "$ckpt" --data "$work/corpus.txt" --seq 32 --eval-batches 2 > "$work/err9.log" 2>&1; then
+  fail "a damaged checkpoint evaluated"
+fi
+grep -q "'$ckpt/model.safetensors' is corrupt" "$work/err9.log" || fail "eval of a damaged checkpoint: $(cat "$work/err9.log")"
+"${mp[@]}" -np 2 "$gpt" train "${common[@]}" --batch 4 --steps 31 --resume > "$work/fallback.log" 2>&1 \
+  || fail "resume past a damaged checkpoint failed: $(tail -3 "$work/fallback.log")"
+grep -q "skipped checkpoint $ckpt: checkpoint: '$ckpt/model.safetensors' is corrupt" "$work/fallback.log" \
+  || fail "resume did not say which checkpoint it skipped: $(head -3 "$work/fallback.log")"
+grep -q "resumed from .*step-00000020 (step 20" "$work/fallback.log" || fail "resume did not fall back to step 20"
 echo "ztrain_gpt_test: all passed"

@@ -140,6 +140,8 @@ TEST(Checkpoint, CorruptOrMissingFilesAreNamed) {
   const auto msg = error_message([&] { load_checkpoint(dir, t.state()); });
   EXPECT_NE(msg.find("optimizer.safetensors"), std::string::npos) << msg;
   EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
+  // verify_checkpoint, for readers that do not load through load_checkpoint, says the same.
+  EXPECT_EQ(error_message([&] { verify_checkpoint(dir); }), msg);
   const auto second = save_checkpoint(root, 2, t.state());
   synchronize();
   if (rank() == 0) fs::remove(second + "/rng.safetensors");
@@ -164,8 +166,12 @@ TEST(Checkpoint, IncompleteSavesAreIgnoredAndOldOnesPruned) {
     EXPECT_EQ(latest_checkpoint(root), root + "/step-00000003");
     std::ofstream(root + "/latest") << "step-00000009\n";  // names a checkpoint that is gone
     EXPECT_EQ(latest_checkpoint(root), root + "/step-00000003");
+    // Complete ones only, newest first, each verifying, with the step its manifest records.
+    EXPECT_EQ(checkpoints(root), (std::vector<std::string>{root + "/step-00000003", root + "/step-00000002"}));
+    EXPECT_EQ(verify_checkpoint(root + "/step-00000002").step, 2);
   }
   EXPECT_EQ(latest_checkpoint(root + "/nothing-here"), std::nullopt);
+  EXPECT_TRUE(checkpoints(root + "/nothing-here").empty());
   synchronize();
   if (rank() == 0) fs::remove_all(root);
 }

@@ -30,6 +30,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace ztrain {
 
@@ -80,7 +81,17 @@ PendingSave save_checkpoint_async(const std::string& root, int64_t step, const T
 /// the highest step with a manifest; nullopt when there is none. Not collective.
 std::optional<std::string> latest_checkpoint(const std::string& root);
 
-/// Verifies and loads the checkpoint in `dir` into `state`.
+/// The complete checkpoints under `root` (directories step-NNNNNNNN with a manifest), newest
+/// first. Not collective.
+std::vector<std::string> checkpoints(const std::string& root);
+
+/// Checks that every file of the checkpoint in `dir` is present and has the SHA-256 its manifest
+/// records, and returns what the manifest says; raises ztrain::Error naming the missing or
+/// corrupt file. Reads every file; not collective. What a reader of a checkpoint that does not go
+/// through load_checkpoint calls first.
+CheckpointInfo verify_checkpoint(const std::string& dir);
+
+/// Verifies (as verify_checkpoint, on world rank 0) and loads the checkpoint in `dir` into `state`.
 CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& state);
 
 }  // namespace ztrain
