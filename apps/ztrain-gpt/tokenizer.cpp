@@ -187,7 +187,7 @@ std::string pcre2_pattern(std::string_view onig) {
 /// A compiled expression (JIT where available) that cuts text into matches and the gaps between.
 class Regex {
  public:
-  Regex(const std::string& pattern, bool literal, const std::string& where) {
+  Regex(const std::string& pattern, bool literal, const std::string& where) : where_(where) {
     int error = 0;
     PCRE2_SIZE offset = 0;
     const std::string p = literal ? pattern : pcre2_pattern(pattern);
@@ -213,7 +213,14 @@ class Regex {
     size_t pos = 0, gap = 0;
     while (pos < text.size()) {
       const int rc = pcre2_match(code_, subject, text.size(), pos, 0, md, nullptr);
-      if (rc < 0) break;
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {  // a resource limit: cutting on would encode differently, so say so
+        pcre2_match_data_free(md);
+        PCRE2_UCHAR message[256];
+        pcre2_get_error_message(rc, message, sizeof(message));
+        ZTRAIN_CHECK(false, where_, ": matching the pre-tokenizer's expression at byte ", pos, " failed: ",
+                     reinterpret_cast<const char*>(message));
+      }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       const size_t start = ov[0], end = ov[1];
       if (end == start) {  // an empty match cuts nothing
@@ -229,6 +236,7 @@ class Regex {
   }
 
  private:
+  std::string where_;
   pcre2_code* code_ = nullptr;
 };
 
@@ -407,7 +415,7 @@ BpeTokenizer::BpeTokenizer(const std::string& path, const json& j) : path_(path)
     const auto id = a.at("id").get<int32_t>();
     ZTRAIN_CHECK(!a.value("lstrip", false) && !a.value("rstrip", false) && !a.value("single_word", false),
                  where("added token '" + content + "' uses lstrip, rstrip or single_word, which are not supported"));
-    ZTRAIN_CHECK(!content.empty(), where("an added token is empty"));
+    ZTRAIN_CHECK(!content.empty() && id >= 0, where("added token '" + content + "' is empty or has a negative id"));
     bytes_[id] = map.decode(content);
     special_[id] = a.value("special", false);
     present[id] = true;

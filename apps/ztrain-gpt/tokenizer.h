@@ -62,12 +62,14 @@ struct BpeTrainOptions {
 };
 
 /// A byte-level BPE tokenizer learnt from `texts` (GPT-2's pre-tokenizer, the most frequent pair
-/// merged first, ties to the pair whose merged bytes sort first), as the text of a standard
-/// tokenizer.json that the `tokenizers` library and load_tokenizer read.
+/// merged first, ties to the pair whose merged bytes sort first; merging stops when no pair is
+/// seen min_frequency times), as the text of a standard tokenizer.json that the `tokenizers`
+/// library and load_tokenizer read.
 std::string train_bpe(const std::vector<std::string_view>& texts, const BpeTrainOptions& options);
 
 /// A SentencePiece model learnt from the text files `inputs` with libsentencepiece's trainer
-/// (BPE or unigram; byte fallback, newlines and whitespace kept), written to `prefix`.model.
+/// (BPE or unigram; byte fallback, newlines and whitespace kept), written to `prefix`.model. Its
+/// vocabulary holds the 256 byte pieces; a small corpus may give fewer pieces than `vocab_size`.
 void train_sentencepiece(const std::vector<std::string>& inputs, const std::string& prefix, int64_t vocab_size,
                          const std::string& model_type);
 
