@@ -126,16 +126,30 @@ std::optional<int64_t> parse_step(const std::string& name) {
   return std::stoll(name.substr(5));
 }
 
+/// The manifest's checksum of itself: the SHA-256 of the rest of it, dumped (keys sorted), so
+/// that a flipped bit in a field no file hash covers (the step, the world size, the extra JSON) is
+/// caught too. Manifests written before it existed have none and are read as they are.
+constexpr const char* kManifestChecksum = "manifest_sha256";
+
 json read_manifest(const fs::path& dir) {
   const auto path = dir / "manifest.json";
   std::ifstream in(path);
   ZTRAIN_CHECK(in, "checkpoint: '", path.string(), "' is missing (an incomplete checkpoint?)");
+  json manifest;
   try {
-    return json::parse(in);
+    manifest = json::parse(in);
   } catch (const std::exception& e) {
     ZTRAIN_CHECK(false, "checkpoint: '", path.string(), "' is not valid JSON: ", e.what());
   }
-  return {};
+  ZTRAIN_CHECK(manifest.is_object(), "checkpoint: '", path.string(), "' is not a JSON object");
+  if (manifest.contains(kManifestChecksum)) {
+    auto rest = manifest;
+    rest.erase(kManifestChecksum);
+    ZTRAIN_CHECK(manifest.at(kManifestChecksum).is_string() &&
+                     manifest.at(kManifestChecksum).get<std::string>() == detail::sha256_hex(rest.dump()),
+                 "checkpoint: '", path.string(), "' is corrupt: its content does not match its own SHA-256");
+  }
+  return manifest;
 }
 
 /// A checkpoint whose model file is written and whose optimizer file is being written into
@@ -206,6 +220,7 @@ void publish(const Publication& p, Communicator& world) {
     for (const char* f : kFiles) files[f] = detail::sha256_file((p.tmp / f).string());
     auto manifest = p.manifest;
     manifest["files"] = files;
+    manifest[kManifestChecksum] = detail::sha256_hex(manifest.dump());  // of all the rest
     write_file_atomically(p.tmp / "manifest.json", manifest.dump(2));
     fsync_path(p.tmp);
     // Into place: an older checkpoint of the same step is moved aside first, removed after.
