@@ -4,7 +4,7 @@
 # Checkpoints under faults, with ztrain-gpt on 2 ranks saving a checkpoint every step, each part
 # bounded in count and time:
 #  1. kill -9: N trials (default 30) each kill a random rank at a random moment inside a save (the
-#     first save to start 1-3 s into a run of the small preset, plus 0-60 ms; a save writes 50 MB);
+#     first save to start 1-3 s into a run of the small preset, plus 0-15 ms; a save writes 50 MB);
 #     then the newest complete checkpoint must verify and evaluate, no step directory without a
 #     manifest may exist (a partial checkpoint is never published), and --resume must continue.
 #  2. a full disk: the checkpoints go to a 3 MiB tmpfs that holds two; the save that does not fit
@@ -48,13 +48,13 @@ for ((t = 1; t <= trials; ++t)); do
   run --steps 100000 "${saving[@]}" --out "$out" > "$out.log" 2>&1 &
   launcher=$!
   sleep "$(python3 -c "import random; print(round(random.uniform(1.0, 3.0), 2))")"
-  # Then the next save: wait (5 s at most) for its temporary directory, and a random 0-60 ms more.
+  # Then the next save: wait (5 s at most) for its temporary directory, and a random 0-15 ms more.
   for ((poll = 0; poll < 1000; ++poll)); do
     tmp=("$out"/checkpoints/.step-*.tmp-*)
     ((${#tmp[@]})) && break
     sleep 0.005
   done
-  sleep "$(python3 -c "import random; print(round(random.uniform(0, 0.06), 3))")"
+  sleep "$(python3 -c "import random; print(round(random.uniform(0, 0.015), 4))")"
   pids=($(pgrep -f "^$gpt train .*--out $out\$" || true))  # the ranks, not mpirun or timeout
   ((${#pids[@]})) || { wait "$launcher"; fail "trial $t: no rank running ($(tail -2 "$out.log"))"; }
   victim=${pids[RANDOM % ${#pids[@]}]}

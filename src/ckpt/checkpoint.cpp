@@ -128,8 +128,11 @@ std::optional<int64_t> parse_step(const std::string& name) {
 
 /// The manifest's checksum of itself: the SHA-256 of the rest of it, dumped (keys sorted), so
 /// that a flipped bit in a field no file hash covers (the step, the world size, the extra JSON) is
-/// caught too. Manifests written before it existed have none and are read as they are.
+/// caught too. It is checked whenever present and required from version 2 on, so that a flip in
+/// its own name or in the version is caught as well; manifests written before it (no version)
+/// are read as they are.
 constexpr const char* kManifestChecksum = "manifest_sha256";
+constexpr int kManifestVersion = 2;
 
 json read_manifest(const fs::path& dir) {
   const auto path = dir / "manifest.json";
@@ -142,6 +145,12 @@ json read_manifest(const fs::path& dir) {
     ZTRAIN_CHECK(false, "checkpoint: '", path.string(), "' is not valid JSON: ", e.what());
   }
   ZTRAIN_CHECK(manifest.is_object(), "checkpoint: '", path.string(), "' is not a JSON object");
+  const json version = manifest.value("version", json(1));
+  ZTRAIN_CHECK(version.is_number_integer() && version.get<int64_t>() >= 1 && version.get<int64_t>() <= kManifestVersion,
+               "checkpoint: '", path.string(), "' has manifest version ", version.dump(), "; this ztrain reads 1 to ",
+               kManifestVersion, " (a newer ztrain wrote it, or it is corrupt)");
+  ZTRAIN_CHECK(version.get<int64_t>() < 2 || manifest.contains(kManifestChecksum), "checkpoint: '", path.string(),
+               "' is corrupt: its own SHA-256 is missing");
   if (manifest.contains(kManifestChecksum)) {
     auto rest = manifest;
     rest.erase(kManifestChecksum);
@@ -195,7 +204,7 @@ Publication prepare(const std::string& root, int64_t step, const TrainingState& 
   }
   const auto& topo = ctx.topology();
   p.manifest = {{"format", "ztrain-checkpoint"},
-                {"version", 1},
+                {"version", kManifestVersion},
                 {"step", step},
                 {"world", {{"size", ctx.world_size()}, {"dp", topo.dp_size()}, {"tp", topo.tp_size()}, {"pp", topo.pp_size()}}},
                 {"optim_manager", manager_json(state.manager.state())},

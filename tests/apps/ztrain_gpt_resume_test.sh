@@ -8,7 +8,8 @@
 #  - tensor parallelism: tp=2 gives the 1-rank losses, and its checkpoint resumes at tp=1;
 #  - pipeline parallelism: pp=2 gives the 1-rank losses, and its checkpoint resumes at pp=1 and
 #    at pp=4 with the interleaved schedule;
-#  - bad input fails clearly and leaves earlier checkpoints usable.
+#  - bad input fails clearly and leaves earlier checkpoints usable; a damaged checkpoint is skipped
+#    for the one before, and none that verifies is refused.
 set -uo pipefail
 gpt=$1 mpirun=$2 corpus=$3 work=$4
 rm -rf "$work" && mkdir -p "$work"
@@ -111,10 +112,15 @@ expect_error "unknown GPT preset 'huge'" "$gpt" train --data "$work/corpus.txt" 
 expect_error "shape" "$gpt" train "${common[@]}" "${ck[@]}" --d-model 32 --heads 2 --batch 8 --steps 40 --out "$work/ref" --resume
 # A checkpoint without some stage's layers fails on every stage (not only the one missing them).
 expect_error "has no tensor 'transformer.h.2" "${mp[@]}" -np 2 "$gpt" train "${common[@]}" "${ck[@]}" --pp 2 --micro-batches 2 --batch 4 --layers 4 --steps 40 --out "$work/ref" --resume
-before=$(ls "$work/ref/checkpoints")
+# A damaged newest checkpoint: --resume names it and continues from the one before.
 printf 'x' | dd of="$work/ref/checkpoints/step-00000030/model.safetensors" bs=1 seek=100 conv=notrunc status=none
-expect_error "step-00000030/model.safetensors' is corrupt" "$gpt" train "${common[@]}" "${ck[@]}" --batch 8 --steps 40 --out "$work/ref" --resume
-[[ $(ls "$work/ref/checkpoints") == "$before" ]] || fail "a failed resume changed the checkpoints"
-echo 'step-00000020' > "$work/ref/checkpoints/latest"  # the previous checkpoint is still usable
-quiet "$gpt" train "${common[@]}" "${ck[@]}" --batch 8 --steps 21 --out "$work/ref" --resume || fail "the previous checkpoint is unusable"
+quiet "$gpt" train "${common[@]}" "${ck[@]}" --batch 8 --steps 31 --out "$work/ref" --resume || fail "resume past a damaged checkpoint failed"
+grep -q "skipped checkpoint .*step-00000030: checkpoint: '.*step-00000030/model.safetensors' is corrupt" "$work/last.log" \
+  || fail "resume did not name the damaged checkpoint: $(head -3 "$work/last.log")"
+grep -q "resumed from .*step-00000020" "$work/last.log" || fail "resume did not fall back to step 20"
+# None that verifies: refused, nothing started over.
+for d in "$work"/ref/checkpoints/step-*; do printf 'x' | dd of="$d/rng.safetensors" bs=1 seek=10 conv=notrunc status=none; done
+before=$(ls "$work/ref/checkpoints")
+expect_error "checkpoints under $work/ref/checkpoints verifies" "$gpt" train "${common[@]}" "${ck[@]}" --batch 8 --steps 40 --out "$work/ref" --resume
+[[ $(ls "$work/ref/checkpoints") == "$before" ]] || fail "a refused resume changed the checkpoints"
 echo "ztrain_gpt_resume_test: all passed"

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 namespace ztrain::test {
 namespace {
@@ -142,6 +143,22 @@ TEST(Checkpoint, CorruptOrMissingFilesAreNamed) {
   EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
   // verify_checkpoint, for readers that do not load through load_checkpoint, says the same.
   EXPECT_EQ(error_message([&] { verify_checkpoint(dir); }), msg);
+  // The manifest checks itself: a changed field, or its checksum's own name changed.
+  for (const auto& [from, to, says] : {std::tuple<std::string, std::string, std::string>{
+                                           "\"step\": 1", "\"step\": 3", "its content does not match its own SHA-256"},
+                                       {"manifest_sha256", "manifest_sha257", "its own SHA-256 is missing"}}) {
+    synchronize();
+    std::string text;
+    if (rank() == 0) {
+      std::ifstream in(dir + "/manifest.json");
+      text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      ASSERT_NE(text.find(from), std::string::npos) << text;
+      std::ofstream(dir + "/manifest.json") << std::string(text).replace(text.find(from), from.size(), to);
+      const auto m = error_message([&] { verify_checkpoint(dir); });
+      EXPECT_NE(m.find("manifest.json' is corrupt: " + says), std::string::npos) << m;
+      std::ofstream(dir + "/manifest.json") << text;
+    }
+  }
   const auto second = save_checkpoint(root, 2, t.state());
   synchronize();
   if (rank() == 0) fs::remove(second + "/rng.safetensors");
