@@ -48,16 +48,17 @@ for ((t = 1; t <= trials; ++t)); do
   run --steps 100000 "${saving[@]}" --out "$out" > "$out.log" 2>&1 &
   launcher=$!
   sleep "$(python3 -c "import random; print(round(random.uniform(1.0, 3.0), 2))")"
-  # Then the next save: wait (5 s at most) for its temporary directory, and a random 0-15 ms more.
+  pids=($(pgrep -f "^$gpt train .*--out $out\$" || true))  # the ranks, not mpirun or timeout
+  ((${#pids[@]})) || { wait "$launcher"; fail "trial $t: no rank running ($(tail -2 "$out.log"))"; }
+  victim=${pids[RANDOM % ${#pids[@]}]}
+  delay=$(python3 -c "import random; print(round(random.uniform(0, 0.015), 4))")
+  # Then the next save: wait (5 s at most) for its temporary directory, and the random delay more.
   for ((poll = 0; poll < 1000; ++poll)); do
     tmp=("$out"/checkpoints/.step-*.tmp-*)
     ((${#tmp[@]})) && break
     sleep 0.005
   done
-  sleep "$(python3 -c "import random; print(round(random.uniform(0, 0.015), 4))")"
-  pids=($(pgrep -f "^$gpt train .*--out $out\$" || true))  # the ranks, not mpirun or timeout
-  ((${#pids[@]})) || { wait "$launcher"; fail "trial $t: no rank running ($(tail -2 "$out.log"))"; }
-  victim=${pids[RANDOM % ${#pids[@]}]}
+  sleep "$delay"
   kill -9 "$victim"
   wait "$launcher" && fail "trial $t: the run survived kill -9"
   # A temporary checkpoint directory left behind: the kill fell inside a save.
