@@ -621,15 +621,20 @@ int eval(const ModelSource& m, const std::string& data, const std::string& token
   return 0;
 }
 
+/// The bytes of a file; raises naming it when it cannot be read.
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  ZTRAIN_CHECK(in, "cannot read '", path, "'");
+  return {(std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()};
+}
+
 /// Mean next-token cross-entropy (nats) of a file's tokens as one sequence: windows of
 /// context + 1 tokens overlapping by one, so every token after the first is predicted once, from
 /// the preceding tokens of its window. Also per byte of the text the predicted tokens stand for.
 int score(const ModelSource& m, const std::string& input, const std::string& logits_path) {
   auto& rt = start({}, m.device);
   auto [model, tokenizer] = load_model(m.model, m.tokenizer);
-  std::ifstream in(input, std::ios::binary);
-  ZTRAIN_CHECK(in, "score: cannot read '", input, "'");
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = read_text(input);
   const auto ids = tokenizer->encode(text);
   ZTRAIN_CHECK(ids.size() >= 2, "score: '", input, "' needs at least 2 tokens, it has ", ids.size());
   auto tokens = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).to(rt.device());
@@ -684,12 +689,6 @@ int sample(const ModelSource& m, const std::string& prompt, int64_t n, double te
 }
 
 // ---- tokenizer -------------------------------------------------------------------------------------
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  ZTRAIN_CHECK(in, "cannot read '", path, "'");
-  return {(std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()};
-}
 
 struct TokenizerTrainArgs {
   std::string data, out, kind = "bpe";
