@@ -102,8 +102,9 @@ struct Communicator::Call {
   int64_t extra = 0;    // reduce op or root
   int64_t sequence = 0;
   int64_t ring_threshold = 0;  // ranks must agree, or they would run different algorithms
+  int64_t hierarchical = 0;
 
-  auto key() const { return std::tie(kind, dtype, numel, extra, sequence, ring_threshold); }
+  auto key() const { return std::tie(kind, dtype, numel, extra, sequence, ring_threshold, hierarchical); }
   bool operator==(const Call& o) const { return key() == o.key(); }
   bool operator<(const Call& o) const { return key() < o.key(); }
   std::string describe() const {
@@ -114,7 +115,8 @@ struct Communicator::Call {
     if (dtype >= 0) s << c10::toString(static_cast<c10::ScalarType>(dtype)) << ", " << numel << " elements";
     if (kind == kAllReduce || kind == kReduceScatter) s << ", " << to_string(static_cast<ReduceOp>(extra));
     if (kind == kBroadcast || kind == kBroadcastBytes) s << (dtype >= 0 ? ", " : "") << "root " << extra;
-    s << ") as collective #" << sequence << " with rings from " << ring_threshold << " bytes";
+    s << ") as collective #" << sequence << " with rings from " << ring_threshold << " bytes"
+      << (hierarchical ? ", two levels across hosts" : ", one level across hosts");
     return s.str();
   }
 };
@@ -134,6 +136,7 @@ void Communicator::begin(const Call& call) {
   Call mine = call;
   mine.sequence = sequence_;
   mine.ring_threshold = options_.ring_threshold_bytes;
+  mine.hierarchical = options_.hierarchical;
   std::vector<Call> all(size_);
   auto mine_bytes = bytes_tensor({reinterpret_cast<const char*>(&mine), sizeof(Call)});
   auto all_bytes = torch::from_blob(all.data(), {static_cast<int64_t>(size_ * sizeof(Call))}, torch::kUInt8);
@@ -178,8 +181,32 @@ Communicator::Communicator(std::unique_ptr<Transport> transport, CommunicatorOpt
   auto all = torch::empty({static_cast<int64_t>(kIdentityBytes) * size_}, torch::kUInt8);
   control_all_gather(bytes_tensor(identity), all, "finding the members' hosts");
   const char* at = static_cast<const char*>(all.data_ptr());
-  host_local_ = true;
-  for (int m = 0; m < size_; ++m) host_local_ = host_local_ && std::memcmp(at + m * kIdentityBytes, identity.data(), kIdentityBytes) == 0;
+  std::vector<std::string> identities;
+  for (int m = 0; m < size_; ++m) identities.emplace_back(at + m * kIdentityBytes, kIdentityBytes);
+  place_members(identities);
+}
+
+void Communicator::place_members(const std::vector<std::string>& identities) {
+  std::vector<std::vector<int>> members;  // by host, hosts in order of their lowest member
+  std::vector<const std::string*> seen;
+  for (int m = 0; m < size_; ++m) {
+    auto at = std::find_if(seen.begin(), seen.end(), [&](const std::string* s) { return *s == identities[m]; });
+    if (at == seen.end()) {
+      seen.push_back(&identities[m]);
+      members.emplace_back();
+      at = seen.end() - 1;
+    }
+    members[at - seen.begin()].push_back(m);
+  }
+  hosts_ = static_cast<int>(members.size());
+  host_local_ = hosts_ == 1;
+  per_host_ = static_cast<int>(members[0].size());
+  for (const auto& on_host : members) {
+    if (static_cast<int>(on_host.size()) != per_host_) per_host_ = 0;
+  }
+  if (per_host_ > 0) {
+    for (const auto& on_host : members) by_host_.insert(by_host_.end(), on_host.begin(), on_host.end());
+  }
 }
 
 Communicator::~Communicator() = default;
@@ -193,6 +220,16 @@ int Communicator::world_rank_of(int group_rank) const {
 void Communicator::set_timeout(std::chrono::milliseconds timeout) {
   ZTRAIN_CHECK(timeout.count() > 0, "communicator timeout must be positive, got ", timeout.count(), " ms");
   options_.timeout = timeout;
+  for (auto* level : {levels_.host.get(), levels_.across.get()}) {
+    if (level) level->set_timeout(timeout);
+  }
+}
+
+void Communicator::set_debug(bool on) {
+  options_.debug = on;
+  for (auto* level : {levels_.host.get(), levels_.across.get()}) {
+    if (level) level->set_debug(on);
+  }
 }
 
 void Communicator::check_tensor(const torch::Tensor& t, const char* call, const char* what) const {
@@ -281,7 +318,7 @@ bool poll_until_done(std::vector<TransportRequest*>& requests, std::chrono::mill
 void Communicator::run_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call) {
   if (size_ == 1 || flat.numel() == 0) return;
   const bool big = large(flat.nbytes());
-  if (big && host_shared_all_reduce(flat, op, call)) return;
+  if (big && (host_shared_all_reduce(flat, op, call) || hierarchical_all_reduce(flat, op, call))) return;
   if (!big || flat.numel() < size_) {
     if (auto r = guarded(call, -1, [&] { return transport_->all_reduce(flat, transport_op(op)); })) {
       wait(std::move(r), call, -1);
@@ -302,7 +339,9 @@ void Communicator::run_all_gather(const torch::Tensor& input, const torch::Tenso
     return;
   }
   const bool big = large(output.nbytes());
-  if (big && host_shared_all_gather(input, output, in_place, call)) return;
+  if (big && (host_shared_all_gather(input, output, in_place, call) || hierarchical_all_gather(input, output, call))) {
+    return;
+  }
   if (!big) {
     if (auto r = guarded(call, -1, [&] { return transport_->all_gather(input, output); })) {
       wait(std::move(r), call, -1);
@@ -320,7 +359,10 @@ void Communicator::run_reduce_scatter(const torch::Tensor& input, const torch::T
     return;
   }
   const bool big = large(input.nbytes());
-  if (big && host_shared_reduce_scatter(input, output, op, call)) return;
+  if (big && (host_shared_reduce_scatter(input, output, op, call) ||
+              hierarchical_reduce_scatter(input, output, op, call))) {
+    return;
+  }
   if (!big) {
     if (auto r = guarded(call, -1, [&] { return transport_->reduce_scatter(input, output, transport_op(op)); })) {
       wait(std::move(r), call, -1);

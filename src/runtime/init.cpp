@@ -70,6 +70,12 @@ bool resolve_huge_pages(const InitOptions& o) {
   return v && *v != "0";
 }
 
+bool resolve_hierarchical(const InitOptions& o) {
+  if (o.hierarchical) return *o.hierarchical;
+  auto v = env("ZTRAIN_HIERARCHICAL");
+  return !v || *v != "0";
+}
+
 bool resolve_host_shared_buffers(const InitOptions& o) {
   if (o.host_shared_buffers) return *o.host_shared_buffers;
   auto v = env("ZTRAIN_HOST_SHARED_BUFFERS");
@@ -113,7 +119,8 @@ int resolve_threads(const InitOptions& o, int local_size) {
 Runtime::Runtime(const InitOptions& options)
     : timeout_(resolve_timeout(options)), debug_(resolve_debug(options)), huge_pages_(resolve_huge_pages(options)) {
   if (huge_pages_) detail::install_huge_page_allocator();
-  auto world = make_world_communicator(options.backend, {.name = "world", .timeout = timeout_, .debug = debug_});
+  auto world = make_world_communicator(
+      options.backend, {.name = "world", .timeout = timeout_, .debug = debug_, .hierarchical = resolve_hierarchical(options)});
   const auto host = host_layout(*world);
   local_size_ = host.local_size;
   local_rank_ = host.local_rank;

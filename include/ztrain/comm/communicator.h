@@ -59,6 +59,12 @@ struct CommunicatorOptions {
   /// From the same size on, when every member runs on this host and its buffer is host-shared,
   /// all_gather, reduce_scatter and all_reduce read the members' buffers directly.
   bool host_shared = true;
+  /// From the same size on, when the members run on two or more hosts with the same number
+  /// (two or more) on each, all_gather, reduce_scatter and all_reduce run in two levels: among
+  /// the members of each host (the host-shared path), and across hosts among the members with
+  /// the same index on their host, so each host's link carries what one rank per host would send
+  /// ((H-1)/H of the buffer per direction for H hosts, against (P-1)/P for a flat ring of P).
+  bool hierarchical = true;
 };
 
 /// Bytes this rank handed to the transport, by operation, since creation (or reset). Counts
@@ -73,6 +79,8 @@ struct CommStats {
   int64_t calls = 0;
   /// Collectives that read the members' host-shared buffers directly (comm/host_shared.h).
   int64_t host_shared_calls = 0;
+  /// Collectives run in two levels, within and across hosts (CommunicatorOptions::hierarchical).
+  int64_t hierarchical_calls = 0;
   /// Bytes of tensors staged through the transport's device (copied there, back, or both).
   int64_t staged_bytes = 0;
   int64_t total_bytes() const {
@@ -100,11 +108,13 @@ class Communicator {
   c10::Device device() const { return transport_->device(); }
   /// Whether every member runs on this host.
   bool host_local() const { return host_local_; }
+  /// How many hosts the members run on.
+  int hosts() const { return hosts_; }
 
   std::chrono::milliseconds timeout() const { return options_.timeout; }
   void set_timeout(std::chrono::milliseconds timeout);
   bool debug() const { return options_.debug; }
-  void set_debug(bool on) { options_.debug = on; }
+  void set_debug(bool on);
   const CommunicatorOptions& options() const { return options_; }
 
   /// In place: `tensor` becomes the reduction over the group.
@@ -202,6 +212,8 @@ class Communicator {
   [[noreturn]] void fail(const std::string& what, const char* op, int peer);
   std::unique_ptr<Communicator> adopt(std::unique_ptr<PendingTransport> pending, const char* op,
                                       const std::string& name);
+  // Where the members run, from their host identities (in group order).
+  void place_members(const std::vector<std::string>& identities);
 
   // Small exchanges of the communicator's own (debug descriptions, host names, buffer names,
   // agreements): the transport's collective, else a ring; never the host-shared path.
@@ -241,12 +253,35 @@ class Communicator {
                                   const char* call);
   bool host_shared_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
 
+  // The two-level paths across hosts (src/comm/hierarchical.cpp): each returns false, having
+  // moved nothing, on every member alike where the layout does not allow them.
+  struct Levels {
+    std::unique_ptr<Communicator> host;    // the members on this rank's host
+    std::unique_ptr<Communicator> across;  // the members with this rank's index on their host
+  };
+  bool hierarchical(int64_t bytes) const;
+  Levels& levels(const char* call);
+  torch::Tensor level_scratch(c10::ScalarType dtype, int64_t numel);
+  template <class F>
+  void run_levels(const char* call, F&& body);
+  bool hierarchical_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
+  bool hierarchical_all_gather(const torch::Tensor& input, const torch::Tensor& output, const char* call);
+  bool hierarchical_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op,
+                                   const char* call);
+
   std::unique_ptr<Transport> transport_;
   CommunicatorOptions options_;
   int rank_ = 0;
   int size_ = 1;
   int world_rank_ = 0;
   bool host_local_ = false;  // every member runs on this host
+  int hosts_ = 1;            // hosts the members run on
+  // Group rank of member l of host h at h * per_host_ + l, where every host runs per_host_
+  // members (0 when the hosts differ in count).
+  std::vector<int> by_host_;
+  int per_host_ = 0;
+  Levels levels_;  // made at the first two-level collective
+  std::map<c10::ScalarType, torch::Tensor> level_scratch_;
   int64_t sequence_ = 0;     // collectives issued, for debug messages
   std::string failure_;      // non-empty once a call failed: the communicator is unusable
   CommStats stats_;

@@ -58,6 +58,10 @@ struct InitOptions {
   /// their gathers and reductions then read the peers' buffers in place instead of sending them.
   /// Not set: on unless ZTRAIN_HOST_SHARED_BUFFERS is 0. CPU devices only.
   std::optional<bool> host_shared_buffers;
+  /// Run large collectives over members on several hosts in two levels, within each host and
+  /// across hosts (CommunicatorOptions::hierarchical). Not set: on unless ZTRAIN_HIERARCHICAL
+  /// is 0.
+  std::optional<bool> hierarchical;
   /// This rank's device (runtime/device.h): the CPU, cuda:N, or cuda — then local rank modulo
   /// the CUDA devices visible — which becomes the current CUDA device. Not set: ZTRAIN_DEVICE
   /// from the environment ("cpu", "cuda", "cuda:N"), else the CPU.
