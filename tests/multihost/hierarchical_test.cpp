@@ -3,6 +3,7 @@
 // each host's link carries (ZTRAIN_TEST_LINK names the host's interface).
 #include "test_util.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -109,7 +110,7 @@ int64_t link_bytes(const std::string& link) {
 // link against what its ranks must send and receive. Two levels: the across level's H members
 // send and receive (H-1)/H of the buffer each (twice for all_reduce), per direction. One level
 // (a flat ring of P ranks in host order): each of the H ring edges leaving a host carries
-// (P-1)/P of it (twice for all_reduce). Headers and acknowledgements add up to 15%.
+// (P-1)/P of it (twice for all_reduce). Headers and acknowledgements add a few percent.
 TEST(Hierarchical, LinkCarriesOneRankPerHost) {
   const char* link = std::getenv("ZTRAIN_TEST_LINK");
   if (!link) GTEST_SKIP() << "ZTRAIN_TEST_LINK does not name the host's link";
@@ -132,13 +133,18 @@ TEST(Hierarchical, LinkCarriesOneRankPerHost) {
   };
   for (const auto& op : ops) {
     op.run();  // the first call also makes the levels
-    world.barrier();
-    const int64_t start = layout.local_rank == 0 ? link_bytes(link) : 0;
-    world.barrier();
-    op.run();
-    world.barrier();
+    // A starved receiver makes TCP send some segments twice: the least of three calls is the
+    // cleanest count.
+    double moved = 1e300;
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      world.barrier();
+      const int64_t start = layout.local_rank == 0 ? link_bytes(link) : 0;
+      world.barrier();
+      op.run();
+      world.barrier();
+      if (layout.local_rank == 0) moved = std::min(moved, static_cast<double>(link_bytes(link) - start));
+    }
     if (layout.local_rank != 0) continue;
-    const double moved = static_cast<double>(link_bytes(link) - start);
     const double formula = 2 * op.factor * static_cast<double>(bytes);
     std::cout << "link bytes " << op.name << " " << (world.options().hierarchical ? "two-level" : "flat")
               << " rank " << world.rank() << ": " << moved << ", formula " << formula << ", ratio "

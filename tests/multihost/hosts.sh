@@ -29,7 +29,7 @@ hosts_available() {
   local probe="zt$$-probe"
   ip netns add "$probe" 2>/dev/null || return 1
   local ok=0
-  ip -n "$probe" link add pa type veth peer name pb 2>/dev/null && ip -n "$probe" link add br type bridge 2>/dev/null || ok=1
+  ip -n "$probe" link add pa type veth peer name pb 2>/dev/null && ip -n "$probe" link add br0 type bridge 2>/dev/null || ok=1
   ip netns del "$probe"
   return $ok
 }
