@@ -106,7 +106,7 @@ int64_t link_bytes(const std::string& link) {
   return total;
 }
 
-// One all_reduce, reduce_scatter and all_gather of 32 MiB each: the bytes through every host's
+// One all_reduce, reduce_scatter and all_gather of about 32 MiB each: the bytes through every host's
 // link against what its ranks must send and receive. Two levels: the across level's H members
 // send and receive (H-1)/H of the buffer each (twice for all_reduce), per direction. One level
 // (a flat ring of P ranks in host order): each of the H ring edges leaving a host carries
@@ -117,7 +117,7 @@ TEST(Hierarchical, LinkCarriesOneRankPerHost) {
   auto& world = ztrain::runtime().world();
   const int P = world.size(), H = world.hosts();
   const auto layout = ztrain::host_layout(world);
-  const int64_t bytes = int64_t{32} << 20, numel = bytes / 4;
+  const int64_t numel = (int64_t{8} << 20) / P * P, bytes = numel * 4;
   const double each_way = world.options().hierarchical ? (H - 1.0) / H : (P - 1.0) / P;
   struct Op {
     const char* name;

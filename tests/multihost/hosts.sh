@@ -5,7 +5,7 @@
 #   hosts_up 2                      # hosts 0 and 1, each a network namespace with its own name
 #   hosts_mpirun 2 -- prog args     # 2 ranks per host, Open MPI over TCP between the hosts
 #   hosts_link_bytes 1              # bytes host 1 sent and received over its link
-#   hosts_shape 1 1gbit 0.5ms       # host 1's link at 1 Gbit/s each way, 0.5 ms each way
+#   hosts_shape 1 1000              # host 1's link at 1000 Mbit/s each way
 #   hosts_cut 1 / hosts_mend 1      # host 1's link down / up
 #
 # Each host is a network namespace with its own UTS namespace (its own host name, so ztrain and
@@ -108,14 +108,15 @@ hosts_link_bytes() {
   ip netns exec "$(hosts_ns sw)" sh -c "echo \$(( \$(cat $p/rx_bytes) + \$(cat $p/tx_bytes) ))"
 }
 
-# hosts_shape H RATE DELAY: both directions of host H's link at RATE (tc's units: 1gbit) with
-# DELAY (2ms) each way.
+# hosts_shape H MBIT: both directions of host H's link limited to MBIT Mbit/s (a token bucket:
+# tc's tbf, whose bucket holds 2 ms at that rate, at least one 64 KiB segment).
 hosts_shape() {
-  local h=$1 rate=$2 delay=$3 end
+  local h=$1 mbit=$2 end
+  local burst=$((mbit * 1000000 / 8 / 500))
+  ((burst < 65536 * 2)) && burst=$((65536 * 2))
   for end in "$(hosts_ns "$h") eth0" "$(hosts_ns sw) p$h"; do
     set -- $end
-    ip -n "$1" link set "$2" txqueuelen 1000
-    tc -n "$1" qdisc replace dev "$2" root netem rate "$rate" delay "$delay" limit 100000
+    tc -n "$1" qdisc replace dev "$2" root tbf rate "${mbit}mbit" burst "$burst" latency 100ms
   done
 }
 
