@@ -282,7 +282,7 @@ void Communicator::wait_for(std::vector<TransportRequest*> requests, const char*
       peer >= 0 ? c10::str("rank ", peer, " (world rank ", world_rank_of(peer), ")") : std::string("a member");
   fail(c10::str("ztrain: ", op, " on communicator '", name(), "' timed out after ", seconds(options_.timeout),
                 " on world rank ", world_rank_, " (rank ", rank_, " of ", size_, "): ", who,
-                " did not take part — it is dead, stuck, or called a different operation (set "
+                " did not take part — it is dead, stuck, cut off, or called a different operation (set "
                 "ZTRAIN_DEBUG_COLLECTIVES=1 to check agreement)"),
        op, peer);
 }
