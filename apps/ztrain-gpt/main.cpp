@@ -7,6 +7,7 @@
 //
 // See docs/ztrain-gpt.md for every option.
 #include "data.h"
+#include "model_config.h"
 #include "progress.h"
 #include "tensorboard.h"
 #include "tokenizer.h"
@@ -29,6 +30,13 @@ namespace {
 namespace fs = std::filesystem;
 namespace zt = ztrain;
 using zt::gpt_app::Corpus;
+using zt::gpt_app::config_from_hf;
+using zt::gpt_app::config_from_json;
+using zt::gpt_app::config_from_text;
+using zt::gpt_app::config_json;
+using zt::gpt_app::dtype_name;
+using zt::gpt_app::hf_config_json;
+using zt::gpt_app::parse_dtype;
 using zt::gpt_app::Sampler;
 using zt::gpt_app::Tokenizer;
 using zt::models::Gpt;
@@ -110,16 +118,6 @@ void add_model_options(CLI::App* app, ModelArgs& m) {
   app->add_flag("--recompute", m.recompute, "recompute activations in backward (activation checkpointing)");
 }
 
-c10::ScalarType parse_dtype(const std::string& s) {
-  if (s == "bf16") return torch::kBFloat16;
-  if (s == "fp16") return torch::kFloat16;
-  return torch::kFloat32;
-}
-
-std::string dtype_name(c10::ScalarType t) {
-  return t == torch::kBFloat16 ? "bf16" : t == torch::kFloat16 ? "fp16" : "fp32";
-}
-
 /// Where token files are cached unless --token-cache says: $XDG_CACHE_HOME/ztrain/tokens, else
 /// ~/.cache/ztrain/tokens, else <out>/tokens.
 std::string default_token_cache(const std::string& out) {
@@ -144,64 +142,9 @@ GptConfig make_config(const ModelArgs& m, int tp_size = 1, int64_t tokenizer_voc
   if (m.heads) c.n_head = *m.heads;
   if (m.context) c.context = *m.context;
   c.dropout = m.dropout;
-  c.dtype = parse_dtype(m.dtype);
+  c.dtype = parse_dtype(m.dtype, "--dtype");
   c.validate(tp_size);
   return c;
-}
-
-json config_json(const GptConfig& c) {
-  return {{"vocab_size", c.vocab_size}, {"context", c.context}, {"d_model", c.d_model}, {"n_layer", c.n_layer},
-          {"n_head", c.n_head},         {"dropout", c.dropout}, {"layer_norm_eps", c.layer_norm_eps},
-          {"dtype", dtype_name(c.dtype)}};
-}
-
-/// The model's configuration as Hugging Face's GPT2Config (config.json beside model.safetensors),
-/// so that transformers' GPT2LMHeadModel.from_pretrained loads a trained model's directory.
-json hf_config_json(const GptConfig& c) {
-  return {{"architectures", {"GPT2LMHeadModel"}},
-          {"model_type", "gpt2"},
-          {"vocab_size", c.vocab_size},
-          {"n_positions", c.context},
-          {"n_embd", c.d_model},
-          {"n_layer", c.n_layer},
-          {"n_head", c.n_head},
-          {"n_inner", nullptr},
-          {"activation_function", "gelu_new"},
-          {"layer_norm_epsilon", c.layer_norm_eps},
-          {"resid_pdrop", c.dropout},
-          {"embd_pdrop", c.dropout},
-          {"attn_pdrop", c.dropout},
-          {"tie_word_embeddings", true},
-          {"torch_dtype", c.dtype == torch::kBFloat16 ? "bfloat16" : c.dtype == torch::kFloat16 ? "float16" : "float32"}};
-}
-
-/// A GPT2Config (config.json of a Hugging Face model directory) as the model it describes;
-/// refuses what this GPT does not compute the same way.
-GptConfig config_from_hf(const json& j, const std::string& path) {
-  auto check = [&](const char* key, const json& want) {
-    ZTRAIN_CHECK(!j.contains(key) || j.at(key).is_null() || j.at(key) == want, "'", path, "': ", key, " = ",
-                 j.at(key).dump(), " is not supported (this GPT has ", want.dump(), ")");
-  };
-  ZTRAIN_CHECK(j.value("model_type", "") == "gpt2", "'", path, "' is not a GPT-2 configuration (model_type ",
-               j.value("model_type", std::string("missing")), ")");
-  check("activation_function", "gelu_new");
-  check("tie_word_embeddings", true);
-  check("scale_attn_weights", true);
-  check("scale_attn_by_inverse_layer_idx", false);
-  check("add_cross_attention", false);
-  ZTRAIN_CHECK(!j.contains("n_inner") || j.at("n_inner").is_null() || j.at("n_inner") == 4 * j.at("n_embd").get<int64_t>(),
-               "'", path, "': n_inner must be 4 x n_embd");
-  const std::string dtype = j.value("torch_dtype", "float32");
-  return {.vocab_size = j.at("vocab_size"), .context = j.at("n_positions"), .d_model = j.at("n_embd"),
-          .n_layer = j.at("n_layer"), .n_head = j.at("n_head"), .dropout = 0.0,
-          .layer_norm_eps = j.value("layer_norm_epsilon", 1e-5),
-          .dtype = dtype == "bfloat16" ? torch::kBFloat16 : dtype == "float16" ? torch::kFloat16 : torch::kFloat32};
-}
-
-GptConfig config_from_json(const json& j) {
-  return {.vocab_size = j.at("vocab_size"), .context = j.at("context"), .d_model = j.at("d_model"),
-          .n_layer = j.at("n_layer"), .n_head = j.at("n_head"), .dropout = j.value("dropout", 0.0),
-          .layer_norm_eps = j.value("layer_norm_eps", 1e-5), .dtype = parse_dtype(j.value("dtype", "fp32"))};
 }
 
 /// A model ready for inference and the tokenizer its ids belong to.
@@ -246,22 +189,23 @@ LoadedModel load_model(const std::string& path, const std::string& tokenizer_opt
     ZTRAIN_CHECK(fs::exists(file), "'", path, "' has config.json but no model.safetensors (save_pretrained with "
                  "safe_serialization writes one)");
     std::ifstream in(path + "/config.json");
-    config = config_from_hf(json::parse(in), path + "/config.json");
+    const auto j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+    ZTRAIN_CHECK(!j.is_discarded(), "'", path, "/config.json' is not valid JSON");
+    config = config_from_hf(j, path + "/config.json");
   } else if (fs::is_directory(path)) {
     file = path + "/model.safetensors";
     ZTRAIN_CHECK(fs::exists(path + "/manifest.json"), "'", path, "' is a directory without manifest.json: not a checkpoint");
     const auto extra = json::parse(zt::verify_checkpoint(path).extra_json);  // a damaged file is named
     ZTRAIN_CHECK(extra.contains("config"), "checkpoint '", path, "' was not written by ztrain-gpt train");
-    config = config_from_json(extra.at("config"));
-    recorded_tokenizer = extra.at("config").value("tokenizer", "bytes");
+    config = config_from_json(extra.at("config"), path + "/manifest.json");
+    recorded_tokenizer = zt::gpt_app::recorded_tokenizer(extra.at("config"), path + "/manifest.json");
   } else {
     zt::ckpt::SafetensorsReader reader(path);
     const auto& meta = reader.metadata();
     ZTRAIN_CHECK(meta.count("ztrain_gpt_config"), "'", path,
                  "' has no ztrain_gpt_config metadata: it was not written by ztrain-gpt train");
-    const auto j = json::parse(meta.at("ztrain_gpt_config"));
-    config = config_from_json(j);
-    recorded_tokenizer = j.value("tokenizer", "bytes");
+    config = config_from_text(meta.at("ztrain_gpt_config"), path);
+    recorded_tokenizer = zt::gpt_app::recorded_tokenizer(json::parse(meta.at("ztrain_gpt_config")), path);
   }
   config.dropout = 0;
   Gpt model(config, {.zero_level = 0, .use_checkpoint = false});

@@ -2,12 +2,15 @@
 // uninitialised once they are inlined; the warning is about the header, not this code. It is
 // decided by the state at the header's lines, and libtorch 2.x's headers include <immintrin.h>
 // too, so it is off before the first include.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #include "adam_kernels.h"
 
 #include <ztrain/error.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -61,7 +64,10 @@ float float_of(uint32_t u) {
 }
 
 bool cpu_has_avx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (ECX bit 29): Clang before 16 does not know the "f16c" feature name.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 
 bool cpu_has_avx512() {

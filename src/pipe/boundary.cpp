@@ -2,6 +2,8 @@
 
 #include <ztrain/error.h>
 
+#include <algorithm>
+#include <iterator>
 #include <string>
 
 // How it works
@@ -43,32 +45,12 @@ std::vector<int64_t> encode(const std::vector<torch::Tensor>& tensors, int64_t i
   return h;
 }
 
-std::vector<TensorMeta> decode(const int64_t* h, int64_t n, int64_t& id, int src) {
-  int64_t at = 0;
-  auto take = [&]() {
-    ZTRAIN_CHECK(at < n, "pipeline boundary: the header from rank ", src, " ends early (", n, " entries)");
-    return h[at++];
-  };
-  ZTRAIN_CHECK(take() == kMagic, "pipeline boundary: rank ", src, " sent something that is not a message header");
-  id = take();
-  const int64_t count = take();
-  std::vector<TensorMeta> metas(static_cast<size_t>(count));
-  for (auto& m : metas) {
-    m.defined = take() != 0;
-    m.dtype = static_cast<c10::ScalarType>(take());
-    m.requires_grad = take() != 0;
-    const int64_t dims = take();
-    for (int64_t d = 0; d < dims; ++d) m.shape.push_back(take());
-  }
-  ZTRAIN_CHECK(at == n, "pipeline boundary: the header from rank ", src, " has ", n - at, " trailing entries");
-  return metas;
-}
-
 torch::Tensor int64_tensor(const std::vector<int64_t>& v) {
   return torch::from_blob(const_cast<int64_t*>(v.data()), {static_cast<int64_t>(v.size())}, torch::kInt64).clone();
 }
 
 }  // namespace
+
 
 bool boundary_requires_grad(const torch::Tensor& t) {
   return t.defined() && t.requires_grad() && c10::isFloatingType(t.scalar_type());
@@ -199,7 +181,7 @@ PendingMessage Boundary::recv(CommStream* stream, int src, int64_t expected_id, 
                      " entries");
         auto header = torch::empty({n}, torch::kInt64);
         c.recv(header, src, kTagHeader);
-        s->metas = decode(header.data_ptr<int64_t>(), n, s->message.id, src);
+        s->metas = detail::decode_boundary_header(header.data_ptr<int64_t>(), n, s->message.id, src);
         for (const auto& m : s->metas) {
           if (!m.defined) {
             s->message.tensors.emplace_back();
@@ -270,3 +252,48 @@ std::vector<torch::Tensor> input_gradients(const std::vector<torch::Tensor>& inp
 }
 
 }  // namespace ztrain::pipe
+
+namespace ztrain::detail {
+
+std::vector<pipe::TensorMeta> decode_boundary_header(const int64_t* h, int64_t n, int64_t& id, int src) {
+  int64_t at = 0;
+  auto take = [&]() {
+    ZTRAIN_CHECK(at < n, "pipeline boundary: the header from rank ", src, " ends early (", n, " entries)");
+    return h[at++];
+  };
+  ZTRAIN_CHECK(take() == pipe::kMagic, "pipeline boundary: rank ", src, " sent something that is not a message header");
+  id = take();
+  const int64_t count = take();
+  // Each tensor takes at least four entries (defined, dtype, requires_grad, dims).
+  ZTRAIN_CHECK(count >= 0 && count <= (n - at) / 4, "pipeline boundary: the header from rank ", src, " announces ",
+               count, " tensors in ", n - at, " entries");
+  std::vector<pipe::TensorMeta> metas(static_cast<size_t>(count));
+  for (auto& m : metas) {
+    m.defined = take() != 0;
+    const int64_t dtype = take();
+    // The dtypes a communicator moves (comm/communicator.h).
+    constexpr c10::ScalarType kMovable[] = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf,
+                                            at::kInt,   at::kLong,   at::kByte,     at::kBool};
+    ZTRAIN_CHECK(std::any_of(std::begin(kMovable), std::end(kMovable),
+                             [&](c10::ScalarType t) { return static_cast<int64_t>(t) == dtype; }),
+                 "pipeline boundary: the header from rank ", src, " names dtype ", dtype,
+                 ", which is not one a communicator moves");
+    m.dtype = static_cast<c10::ScalarType>(dtype);
+    m.requires_grad = take() != 0;
+    const int64_t dims = take();
+    ZTRAIN_CHECK(dims >= 0 && dims <= std::min<int64_t>(n - at, 64), "pipeline boundary: the header from rank ", src,
+                 " gives a tensor ", dims, " dimensions");
+    int64_t numel = 1;
+    for (int64_t d = 0; d < dims; ++d) {
+      const int64_t size = take();
+      ZTRAIN_CHECK(size >= 0 && (size == 0 || numel <= (int64_t{1} << 48) / size), "pipeline boundary: the header "
+                   "from rank ", src, " gives a tensor of shape ", c10::IntArrayRef(m.shape), " then a dimension of ", size);
+      numel *= size;
+      m.shape.push_back(size);
+    }
+  }
+  ZTRAIN_CHECK(at == n, "pipeline boundary: the header from rank ", src, " has ", n - at, " trailing entries");
+  return metas;
+}
+
+}  // namespace ztrain::detail

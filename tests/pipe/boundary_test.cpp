@@ -210,5 +210,36 @@ TEST(Boundary, AnUnexpectedMessageIsAnError) {
   boundary.synchronize();
 }
 
+// What a neighbour sends is checked before anything is allocated for it.
+TEST(Boundary, AMalformedHeaderIsRefusedNamingTheSender) {
+  constexpr int64_t kMagic = 0x7a50495045;
+  auto decode = [](std::vector<int64_t> h) {
+    int64_t id = 0;
+    return error_message([&] { detail::decode_boundary_header(h.data(), static_cast<int64_t>(h.size()), id, 3); });
+  };
+  const int64_t f32 = static_cast<int64_t>(torch::kFloat32);
+  int64_t id = 0;
+  std::vector<int64_t> good{kMagic, 9, 1, 1, f32, 1, 2, 4, 5};
+  auto metas = detail::decode_boundary_header(good.data(), static_cast<int64_t>(good.size()), id, 3);
+  ASSERT_EQ(metas.size(), 1u);
+  EXPECT_EQ(id, 9);
+  EXPECT_EQ(metas[0].shape, (std::vector<int64_t>{4, 5}));
+  for (const auto& [header, what] : std::vector<std::pair<std::vector<int64_t>, std::string>>{
+           {{1, 9, 0}, "not a message header"},
+           {{kMagic, 9, int64_t{1} << 60}, "announces 1152921504606846976 tensors"},
+           {{kMagic, 9, -1}, "announces -1 tensors"},
+           {{kMagic, 9, 1, 1, 999, 0, 0}, "names dtype 999"},
+           {{kMagic, 9, 1, 1, static_cast<int64_t>(torch::kComplexFloat), 0, 0}, "names dtype"},
+           {{kMagic, 9, 1, 1, f32, 0, -2}, "gives a tensor -2 dimensions"},
+           {{kMagic, 9, 1, 1, f32, 0, 1, -5}, "then a dimension of -5"},
+           {{kMagic, 9, 1, 1, f32, 0, 2, int64_t{1} << 40, int64_t{1} << 40}, "then a dimension of"},
+           {{kMagic, 9}, "ends early"},
+           {{kMagic, 9, 1, 1, f32, 0, 0, 7}, "1 trailing entries"}}) {
+    const auto msg = decode(header);
+    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 3"), std::string::npos) << msg;
+  }
+}
+
 }  // namespace
 }  // namespace ztrain::pipe

@@ -59,6 +59,7 @@ struct TensorMeta {
 
 /// The header entry a tensor gets; requires_grad only for floating-point tensors.
 TensorMeta meta_of(const torch::Tensor& t);
+
 /// Whether `t` crosses a boundary requiring grad (defined, floating-point, requires grad).
 bool boundary_requires_grad(const torch::Tensor& t);
 
@@ -142,3 +143,10 @@ void backward_from(const std::vector<torch::Tensor>& outputs, const std::vector<
 std::vector<torch::Tensor> input_gradients(const std::vector<torch::Tensor>& inputs);
 
 }  // namespace ztrain::pipe
+
+namespace ztrain::detail {
+/// The tensors a pipeline-boundary message header of `n` entries from rank `src` describes, and
+/// its id. Throws ztrain::Error naming the sender on anything but a well-formed header (a wrong
+/// magic, counts, dtypes or dimensions that do not fit, entries missing or left over).
+std::vector<pipe::TensorMeta> decode_boundary_header(const int64_t* header, int64_t n, int64_t& id, int src);
+}  // namespace ztrain::detail

@@ -1,0 +1,36 @@
+// Runs a fuzz target over files and directories of inputs (its committed corpus and the inputs
+// that once failed), so every build checks them without libFuzzer.
+#include "fuzz_input.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <vector>
+
+int main(int argc, char** argv) {
+  std::vector<std::filesystem::path> inputs;
+  for (int i = 1; i < argc; ++i) {
+    if (std::filesystem::is_directory(argv[i])) {
+      for (const auto& e : std::filesystem::recursive_directory_iterator(argv[i])) {
+        if (e.is_regular_file()) inputs.push_back(e.path());
+      }
+    } else {
+      inputs.emplace_back(argv[i]);
+    }
+  }
+  std::sort(inputs.begin(), inputs.end());
+  for (const auto& path : inputs) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      std::cerr << "replay: cannot read " << path << std::endl;
+      return 1;
+    }
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  }
+  std::filesystem::remove_all(ztrain::fuzz::scratch_dir());
+  std::cout << "replay: " << inputs.size() << " inputs, no finding" << std::endl;
+  return inputs.empty() ? 1 : 0;
+}
