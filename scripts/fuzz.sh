@@ -18,12 +18,13 @@ targets=("$@")
 ((${#targets[@]})) || targets=(safetensors manifest boundary gpt_config tokenizer)
 command -v clang++ >/dev/null || { echo "fuzz: needs clang++ (Debian: clang)" >&2; exit 2; }
 
+mkdir -p "$build"
 generator=()
 [[ -f $build/CMakeCache.txt ]] || { command -v ninja >/dev/null && generator=(-G Ninja); }
 { cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
     -DZTRAIN_FUZZ=ON -DZTRAIN_SANITIZE=address,undefined -DZTRAIN_BUILD_BENCH=OFF &&
-  cmake --build "$build" -j "${ZTRAIN_JOBS:-$(nproc)}" --target "${targets[@]/#/fuzz_}"; } >"$build.log" 2>&1 ||
-  { tail -30 "$build.log"; echo "fuzz: the build failed (log: $build.log)"; exit 1; }
+  cmake --build "$build" -j "${ZTRAIN_JOBS:-$(nproc)}" --target "${targets[@]/#/fuzz_}"; } >"$build/build.log" 2>&1 ||
+  { tail -30 "$build/build.log"; echo "fuzz: the build failed (log: $build/build.log)"; exit 1; }
 
 export OMP_NUM_THREADS=1 UBSAN_OPTIONS=print_stacktrace=1 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:verify_asan_link_order=0}
 status=0

@@ -11,8 +11,9 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ZTRAIN_SANITIZE_BUILD_DIR:-$root/build-asan}
+mkdir -p "$build"
 ZTRAIN_BUILD_DIR=$build "$root/scripts/build.sh" -DZTRAIN_SANITIZE=address,undefined -DZTRAIN_BUILD_BENCH=OFF \
-  -DZTRAIN_BUILD_APPS=OFF >"$build.log" 2>&1 || { tail -30 "$build.log"; echo "sanitize: the build failed"; exit 1; }
+  -DZTRAIN_BUILD_APPS=OFF >"$build/build.log" 2>&1 || { tail -30 "$build/build.log"; echo "sanitize: the build failed"; exit 1; }
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:fast_unwind_on_malloc=0}
 export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/scripts/sanitizers/lsan.supp:print_suppressions=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
