@@ -69,19 +69,27 @@ struct ShardedCall {
 
 class ShardedBackward : public torch::autograd::Node {
  public:
-  ShardedBackward(std::shared_ptr<ShardedModule> owner, std::shared_ptr<ShardedCall> call)
-      : owner_(std::move(owner)), call_(std::move(call)) {}
+  // Holds its module strongly, or weakly where the module keeps this node's output itself.
+  ShardedBackward(const std::shared_ptr<ShardedModule>& owner, std::shared_ptr<ShardedCall> call)
+      : weak_owner_(owner), kind_(owner->kind_), call_(std::move(call)) {
+    if (!owner->keeps_its_output()) owner_ = owner;
+  }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    ZTRAIN_CHECK(!call_->backward_done, owner_->kind_,
+    auto owner = weak_owner_.lock();
+    ZTRAIN_CHECK(owner != nullptr, kind_, ": backward after the module was destroyed; keep the model alive until its "
+                 "backward has run");
+    ZTRAIN_CHECK(!call_->backward_done, kind_,
                  ": backward through the same forward twice; sharded modules free their graph after "
                  "the first backward (retain_graph is not supported)");
-    return owner_->backward(*call_, grads);
+    return owner->backward(*call_, grads);
   }
-  std::string name() const override { return c10::str("ztrain::", owner_->kind_, "Backward"); }
+  std::string name() const override { return c10::str("ztrain::", kind_, "Backward"); }
 
  private:
-  std::shared_ptr<ShardedModule> owner_;
+  std::shared_ptr<ShardedModule> owner_;  // null when held weakly
+  std::weak_ptr<ShardedModule> weak_owner_;
+  std::string kind_;
   std::shared_ptr<ShardedCall> call_;
 };
 

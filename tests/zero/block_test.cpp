@@ -267,5 +267,24 @@ TEST(DistributedParameterTest, TiedUseIsGatheredOnceAndGetsBothGradients) {
   }
 }
 
+// A DistributedParameter keeps its last output, whose graph refers back to it: a forward under
+// grad mode with no backward must not keep the module alive, and a backward after it is gone
+// says so.
+TEST(DistributedParameterTest, AnOutputWithoutBackwardDoesNotKeepItAlive) {
+  for (int level : {0, 3}) {
+    std::weak_ptr<DistributedParameterImpl> gone;
+    torch::Tensor out;
+    {
+      DistributedParameter w(torch::randn({5, 2}), {.zero_level = level});
+      gone = w.ptr();
+      out = w();
+      ASSERT_TRUE(out.requires_grad());
+    }
+    EXPECT_TRUE(gone.expired()) << "level " << level;
+    const auto msg = error_message([&] { out.sum().backward(); });
+    EXPECT_NE(msg.find("backward after the module was destroyed"), std::string::npos) << msg;
+  }
+}
+
 }  // namespace
 }  // namespace ztrain::test

@@ -48,6 +48,7 @@ class DistributedParameterImpl : public ShardedModule {
 
  private:
   void on_backward() override { cached_ = torch::Tensor(); }
+  bool keeps_its_output() const override { return true; }
 
   std::string name_;
   torch::Tensor cached_;

@@ -140,6 +140,10 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   bool last_call_pending_backward() const;
   /// Called when a backward through this module starts.
   virtual void on_backward() {}
+  /// Whether this module keeps its own last output. The graph of that output then refers to the
+  /// module weakly (a strong reference would make a cycle that outlives the model when no
+  /// backward comes), and a backward after the module is gone raises.
+  virtual bool keeps_its_output() const { return false; }
 
  private:
   friend class detail::ShardedBackward;
