@@ -31,6 +31,19 @@ namespace {
 
 ReduceOp level_op(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
 
+// Between a buffer of P slices of n elements in rank order and the same slices as L rows of H
+// (row l holding the slices of members M(0, l) .. M(H-1, l)); `by_host` lists M(h, l) at h * L + l.
+void lay_out_rows(const torch::Tensor& ranked, const torch::Tensor& rows, const std::vector<int>& by_host, int H,
+                  int L, int64_t n, bool into_rows) {
+  for (int h = 0; h < H; ++h) {
+    for (int l = 0; l < L; ++l) {
+      auto in_rank_order = ranked.narrow(0, by_host[h * L + l] * n, n);
+      auto in_rows = rows.narrow(0, (l * H + h) * n, n);
+      (into_rows ? in_rows : in_rank_order).copy_(into_rows ? in_rank_order : in_rows);
+    }
+  }
+}
+
 }  // namespace
 
 bool Communicator::hierarchical(int64_t bytes) const {
@@ -78,10 +91,7 @@ bool Communicator::hierarchical_reduce_scatter(const torch::Tensor& input, const
   run_levels(call, [&](Levels& lv) {
     auto scratch = level_scratch(input.scalar_type(), (H * L + H) * n);
     auto rows = scratch.narrow(0, 0, H * L * n), row = scratch.narrow(0, H * L * n, H * n);
-    auto flat = input.view(-1);
-    for (int h = 0; h < H; ++h) {
-      for (int l = 0; l < L; ++l) rows.narrow(0, (l * H + h) * n, n).copy_(flat.narrow(0, by_host_[h * L + l] * n, n));
-    }
+    lay_out_rows(input.view(-1), rows, by_host_, H, L, n, /*into_rows=*/true);
     lv.host->reduce_scatter(rows, row, level_op(op));
     lv.across->reduce_scatter(row, output.view(-1), level_op(op));
   });
@@ -98,10 +108,7 @@ bool Communicator::hierarchical_all_gather(const torch::Tensor& input, const tor
     auto rows = scratch.narrow(0, 0, H * L * n), row = scratch.narrow(0, H * L * n, H * n);
     lv.across->all_gather(input.view(-1), row);
     lv.host->all_gather(row, rows);
-    auto flat = output.view(-1);
-    for (int h = 0; h < H; ++h) {
-      for (int l = 0; l < L; ++l) flat.narrow(0, by_host_[h * L + l] * n, n).copy_(rows.narrow(0, (l * H + h) * n, n));
-    }
+    lay_out_rows(output.view(-1), rows, by_host_, H, L, n, /*into_rows=*/false);
   });
   return true;
 }
