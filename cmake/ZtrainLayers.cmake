@@ -1,13 +1,13 @@
 # The layer rule, checked when the project is configured (and by `cmake -P` on this file):
 # a header or source of one area includes headers of its own area and of areas below it only.
 #
-#   core < comm < runtime < optim < zero < tp < pipe < ckpt < models
+#   core < comm < runtime < optim < zero < tp < pipe < ckpt < booster < models
 #
 # The libraries enforce the same order at link time (src/CMakeLists.txt); this check also
 # catches what the linker cannot see: an inline function or template of a higher area.
 # ztrain/ztrain.h, the umbrella for users, is included by no library file.
 
-set(ZTRAIN_LAYER_ORDER core comm runtime optim zero tp pipe ckpt models)
+set(ZTRAIN_LAYER_ORDER core comm runtime optim zero tp pipe ckpt booster models)
 
 # The area of a path relative to the source tree, or of an included "ztrain/..." header.
 function(ztrain_area_of path out)
@@ -56,7 +56,7 @@ function(ztrain_check_layers root)
     endforeach()
   endforeach()
   if(violations)
-    message(FATAL_ERROR "ztrain's layers are core < comm < runtime < optim < zero < tp < pipe < ckpt < models; "
+    message(FATAL_ERROR "ztrain's layers are core < comm < runtime < optim < zero < tp < pipe < ckpt < booster < models; "
                         "these includes reach a higher layer:${violations}")
   endif()
 endfunction()

@@ -8,6 +8,8 @@
 ///     auto loss = ...;                          // this rank's mean loss
 ///     zt::print_rank("loss ", zt::sum_loss(loss).item<double>());
 ///   }
+#include <ztrain/booster/booster.h>
+#include <ztrain/booster/data_parallel.h>
 #include <ztrain/ckpt/checkpoint.h>
 #include <ztrain/ckpt/model_file.h>
 #include <ztrain/ckpt/optimizer_state.h>

@@ -57,6 +57,13 @@ std::vector<torch::Tensor> optimizer_params(const torch::optim::Optimizer& opt) 
   return out;
 }
 
+/// What parameter p's state tensor t is written from or read into: for a sharded module's
+/// parameter one flat tensor (the writer gathers a shared source once), for a plain one the
+/// parameter's shape. A view of t.
+torch::Tensor state_source(const Holder& h, const torch::Tensor& p, const torch::Tensor& t) {
+  return h.refs.front().owner ? t.reshape(-1) : t.reshape(p.sizes());
+}
+
 detail::ShardedEntry entry_for(const NamedParameterRef& r, const std::string& state, const torch::Tensor& source) {
   return detail::entry_of(r, r.name + "." + state, source);
 }
@@ -79,9 +86,8 @@ StateFile state_file(torch::nn::Module& model, torch::optim::Optimizer& optimize
     for (const auto& [name, t] : s.tensors) {
       ZTRAIN_CHECK(t.numel() == p.numel(), "optimizer state '", name, "' has ", t.numel(), " elements, its parameter ",
                    p.numel());
-      // One flat tensor for all of the group's entries: the writer gathers a shared source once.
-      const auto flat = t.reshape(-1);
-      for (const auto& r : h.refs) out.entries.push_back(entry_for(r, name, flat));
+      const auto source = state_source(h, p, t);
+      for (const auto& r : h.refs) out.entries.push_back(entry_for(r, name, source));
     }
     if (s.step) {
       for (const auto& r : h.refs) steps[r.name] = *s.step;
@@ -143,7 +149,7 @@ void load_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& opt
       const auto state = info.name.substr(prefix.size());
       if (state.find('.') != std::string::npos) continue;  // another parameter's name continues here
       auto t = torch::zeros({p.numel()}, torch::TensorOptions().dtype(info.dtype));
-      for (const auto& r : h.refs) detail::read_sharded(reader, entry_for(r, state, t));
+      for (const auto& r : h.refs) detail::read_sharded(reader, entry_for(r, state, state_source(h, p, t)));
       s.tensors[state] = t.view(p.sizes());
     }
     if (steps.contains(h.refs.front().name)) s.step = steps.at(h.refs.front().name).get<int64_t>();

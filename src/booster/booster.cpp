@@ -1,0 +1,70 @@
+#include <ztrain/booster/booster.h>
+
+#include <ztrain/ckpt/optimizer_state.h>
+#include <ztrain/error.h>
+
+#include <limits>
+
+namespace ztrain {
+
+Booster::Booster(std::shared_ptr<Plugin> plugin, BoosterOptions options)
+    : plugin_(std::move(plugin)), options_(std::move(options)),
+      last_grad_norm_(std::numeric_limits<double>::quiet_NaN()) {
+  ZTRAIN_CHECK(plugin_ != nullptr, "Booster: the plugin is null");
+  ZTRAIN_CHECK(options_.max_grad_norm >= 0, "Booster: max_grad_norm must be >= 0 (0: no clipping), got ",
+               options_.max_grad_norm);
+}
+
+void Booster::boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  ZTRAIN_CHECK(!model_, "Booster: boost() was called already; a booster boosts one model and optimizer");
+  plugin_->boost(model, optimizer);
+  model_ = &model;
+  optimizer_ = &optimizer;
+  manager_.emplace(model, options_.loss_scaler);
+  manager_->add_optimizer(optimizer, options_.lr_scheduler);
+}
+
+torch::nn::Module& Booster::model() {
+  ZTRAIN_CHECK(model_, "Booster: call boost(model, optimizer) first");
+  return *model_;
+}
+
+torch::optim::Optimizer& Booster::optimizer() {
+  ZTRAIN_CHECK(optimizer_, "Booster: call boost(model, optimizer) first");
+  return *optimizer_;
+}
+
+optim::OptimManager& Booster::manager() {
+  ZTRAIN_CHECK(manager_, "Booster: call boost(model, optimizer) first");
+  return *manager_;
+}
+
+void Booster::zero_grad() {
+  manager().zero_grad();
+  plugin_->after_zero_grad();
+}
+
+void Booster::backward(const torch::Tensor& loss) { manager().backward(loss); }
+
+bool Booster::step() {
+  auto& mgr = manager();
+  if (options_.max_grad_norm > 0) last_grad_norm_ = mgr.clip_grad_norm(options_.max_grad_norm);
+  return mgr.step();
+}
+
+Booster::NoSync Booster::no_sync() {
+  model();
+  return NoSync(*plugin_);
+}
+
+void Booster::save_model(const std::string& path, const SaveOptions& options) { save(model(), path, options); }
+
+void Booster::load_model(const std::string& path, const LoadOptions& options) { load(model(), path, options); }
+
+void Booster::save_optimizer(const std::string& path, const SaveOptions& options) {
+  save_optimizer_state(model(), optimizer(), path, options);
+}
+
+void Booster::load_optimizer(const std::string& path) { load_optimizer_state(model(), optimizer(), path); }
+
+}  // namespace ztrain

@@ -1,0 +1,271 @@
+// Booster with the DataParallel plugin: a plain libtorch model trains as the single-process one
+// on the global batch (losses and parameters), reductions overlap backward, no_sync accumulates
+// with one reduction per step, unused parameters count as zero, checkpoints round-trip, and bad
+// input is refused with a clear error.
+
+#include "../zero/zero_model.h"
+#include "test_util.h"
+
+#include <filesystem>
+
+namespace ztrain::test {
+namespace {
+
+constexpr int64_t kBatch = 2;  // sequences per rank and micro-batch
+constexpr int64_t kSeq = 8;
+
+struct Trajectory {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;
+};
+
+// SGD with momentum, not Adam: some of the model's gradients are zero up to rounding (the key
+// bias: softmax ignores a shift of a row), and Adam would scale that rounding up to full steps.
+torch::optim::SGD make_sgd(torch::nn::Module& model) {
+  return torch::optim::SGD(model.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+}
+
+std::vector<torch::Tensor> values(torch::nn::Module& model) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+/// One process, the global batch of every step, `micro` micro-batches accumulated per step.
+Trajectory reference(const ModelConfig& c, int steps, int micro, double max_norm) {
+  const int dp = runtime().dp().size();
+  torch::manual_seed(3);
+  RefModel model(c);
+  auto opt = make_sgd(*model);
+  Trajectory t;
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    auto tokens = batch_tokens(step, micro * dp * kBatch, kSeq, c.vocab);
+    double loss_sum = 0;
+    for (int m = 0; m < micro; ++m) {
+      // Micro-batch m of every rank: rank r's sequences come first on rank r, as below.
+      std::vector<torch::Tensor> parts;
+      for (int r = 0; r < dp; ++r) parts.push_back(tokens.slice(0, (r * micro + m) * kBatch, (r * micro + m + 1) * kBatch));
+      auto batch = torch::cat(parts);
+      auto loss = lm_loss(model(batch), batch) / micro;
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    if (max_norm > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), max_norm);
+    opt.step();
+    t.losses.push_back(loss_sum);
+  }
+  t.params = values(*model);
+  return t;
+}
+
+/// The same run under DataParallel: each rank its share of the global batch.
+Trajectory boosted(const ModelConfig& c, int steps, int micro, double max_norm, DataParallelOptions options = {}) {
+  auto& dp = runtime().dp();
+  torch::manual_seed(3 + dp.rank());  // different on every rank: boost() makes them equal
+  RefModel model(c);
+  auto opt = make_sgd(*model);
+  auto plugin = std::make_shared<DataParallel>(options);
+  Booster booster(plugin, {.max_grad_norm = max_norm});
+  booster.boost(*model, opt);
+  Trajectory t;
+  for (int step = 0; step < steps; ++step) {
+    booster.zero_grad();
+    auto tokens = batch_tokens(step, micro * dp.size() * kBatch, kSeq, c.vocab);
+    double loss_sum = 0;
+    for (int m = 0; m < micro; ++m) {
+      const int64_t first = (dp.rank() * micro + m) * kBatch;
+      auto local = tokens.slice(0, first, first + kBatch);
+      auto loss = lm_loss(model(local), local) / micro;
+      if (m + 1 < micro) {
+        auto guard = booster.no_sync();
+        booster.backward(loss);
+      } else {
+        booster.backward(loss);
+      }
+      loss_sum += loss.item<double>();
+    }
+    EXPECT_TRUE(booster.step());
+    t.losses.push_back(dp.all_reduce_scalar(loss_sum) / dp.size());
+  }
+  t.params = values(*model);
+  return t;
+}
+
+void expect_same(const Trajectory& got, const Trajectory& want) {
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t i = 0; i < got.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-5 * std::abs(want.losses[i])) << "step " << i;
+  }
+  ASSERT_EQ(got.params.size(), want.params.size());
+  for (size_t i = 0; i < got.params.size(); ++i) {
+    EXPECT_TRUE(tensors_equal(got.params[i], want.params[i], 1e-5, 1e-6)) << "parameter " << i;
+  }
+}
+
+TEST(DataParallel, TrainsAsOneProcessOnTheGlobalBatch) {
+  ASSERT_EQ(world_size(), expected_world_size());
+  const ModelConfig c;
+  const auto want = reference(c, 20, 1, 1.0);
+  expect_same(boosted(c, 20, 1, 1.0, {.bucket_bytes = 4096}), want);
+  expect_same(boosted(c, 20, 1, 1.0), want);  // one bucket
+}
+
+TEST(DataParallel, NoSyncAccumulatesAndReducesOncePerStep) {
+  const ModelConfig c;
+  const auto want = reference(c, 6, 3, 0);
+  expect_same(boosted(c, 6, 3, 0, {.bucket_bytes = 4096}), want);
+
+  auto& dp = runtime().dp();
+  torch::manual_seed(3);
+  RefModel model(c);
+  auto opt = make_sgd(*model);
+  auto plugin = std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = 4096});
+  Booster booster(plugin);
+  booster.boost(*model, opt);
+  const int64_t buckets = plugin->stats().buckets;
+  EXPECT_GT(buckets, 3);
+  auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
+  {
+    auto guard = booster.no_sync();
+    booster.backward(lm_loss(model(tokens), tokens));
+    booster.backward(lm_loss(model(tokens), tokens));
+  }
+  const auto quiet = plugin->stats();
+  EXPECT_EQ(quiet.reductions_during_backward + quiet.reductions_at_end, 0);
+  booster.backward(lm_loss(model(tokens), tokens));
+  const auto synced = plugin->stats();
+  EXPECT_EQ(synced.reductions_during_backward + synced.reductions_at_end, dp.size() > 1 ? buckets : 0);
+}
+
+TEST(DataParallel, ReductionsOverlapBackward) {
+  const ModelConfig c{.layers = 4};
+  torch::manual_seed(3);
+  RefModel model(c);
+  auto opt = make_sgd(*model);
+  auto plugin = std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = 2048});
+  Booster booster(plugin);
+  booster.boost(*model, opt);
+  auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
+  booster.backward(lm_loss(model(tokens), tokens));
+  const auto s = plugin->stats();
+  if (runtime().dp().size() == 1) {
+    EXPECT_EQ(s.reductions_during_backward + s.reductions_at_end, 0);
+    return;
+  }
+  // Every bucket starts from inside backward, as soon as its last gradient has landed; none is
+  // left for the end.
+  EXPECT_GT(s.buckets, 3);
+  EXPECT_EQ(s.reductions_during_backward, s.buckets);
+  EXPECT_EQ(s.reductions_at_end, 0);
+}
+
+/// Two linears; the second is used on dp rank 0 only.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl() : a(4, 4), b(4, 4) {
+    register_module("a", a);
+    register_module("b", b);
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_b) { return use_b ? b(a(x)) : a(x); }
+  torch::nn::Linear a, b;
+};
+TORCH_MODULE(Branchy);
+
+TEST(DataParallel, AParameterWithoutGradientOnARankCountsAsZero) {
+  auto& dp = runtime().dp();
+  torch::manual_seed(5);
+  Branchy model;
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  Booster booster(std::make_shared<DataParallel>());
+  booster.boost(*model, opt);
+  auto x = torch::arange(8, torch::kFloat32).reshape({2, 4}) + dp.rank();
+  // A plain backward() reduces as well: the plugin needs no call of its own.
+  model->forward(x, dp.rank() == 0).sum().backward();
+
+  torch::manual_seed(5);
+  Branchy ref;
+  for (int r = 0; r < dp.size(); ++r) {
+    ref->forward(torch::arange(8, torch::kFloat32).reshape({2, 4}) + r, r == 0).sum().backward();
+  }
+  auto got = model->named_parameters();
+  for (const auto& p : ref->named_parameters()) {
+    ASSERT_TRUE(got[p.key()].grad().defined()) << p.key();
+    EXPECT_TRUE(tensors_equal(got[p.key()].grad(), p.value().grad() / dp.size(), 1e-6, 1e-6)) << p.key();
+  }
+}
+
+TEST(DataParallel, CheckpointsRoundTrip) {
+  const ModelConfig c;
+  const auto dir = shared_temp_dir("booster_ckpt");
+  if (runtime().rank() == 0) std::filesystem::create_directories(dir);
+  runtime().world().barrier();
+  auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
+  auto train_step = [&](Booster& booster, RefModel& model) {
+    booster.zero_grad();
+    booster.backward(lm_loss(model(tokens), tokens));
+    booster.step();
+  };
+  torch::manual_seed(3);
+  RefModel model(c);
+  auto opt = make_sgd(*model);
+  Booster booster(std::make_shared<DataParallel>());
+  booster.boost(*model, opt);
+  for (int i = 0; i < 3; ++i) train_step(booster, model);
+  booster.save_model(dir + "/model.safetensors");
+  booster.save_optimizer(dir + "/optimizer.safetensors");
+
+  torch::manual_seed(11);
+  RefModel again(c);
+  auto again_opt = make_sgd(*again);
+  Booster again_booster(std::make_shared<DataParallel>());
+  again_booster.boost(*again, again_opt);
+  again_booster.load_model(dir + "/model.safetensors");
+  again_booster.load_optimizer(dir + "/optimizer.safetensors");
+  train_step(booster, model);
+  train_step(again_booster, again);
+  const auto a = values(*model), b = values(*again);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(tensors_equal(a[i], b[i])) << "parameter " << i;
+
+  // The model file is a plain one: a model without ztrain loads it.
+  RefModel plain(c);
+  load(*plain, dir + "/model.safetensors");
+  runtime().world().barrier();
+  if (runtime().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST(DataParallel, RefusesBadInput) {
+  auto& dp = runtime().dp();
+  // Ranks holding different models.
+  if (dp.size() > 1) {
+    torch::manual_seed(3);
+    RefModel model(ModelConfig{.dim = dp.rank() == 1 ? 8 : 16});
+    auto opt = make_sgd(*model);
+    Booster booster(std::make_shared<DataParallel>());
+    const auto msg = error_message([&] { booster.boost(*model, opt); });
+    EXPECT_NE(msg.find("dp ranks 0 and 1 hold different models"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("wte.weight"), std::string::npos) << msg;
+  }
+  torch::manual_seed(3);
+  RefModel model(ModelConfig{});
+  // An optimizer over tensors that are not the model's.
+  torch::optim::SGD stray({torch::zeros({3}, torch::requires_grad())}, 0.1);
+  Booster first(std::make_shared<DataParallel>());
+  auto msg = error_message([&] { first.boost(*model, stray); });
+  EXPECT_NE(msg.find("not a parameter of the model"), std::string::npos) << msg;
+  // Steps before boost(), boosting twice, a bad option.
+  auto opt = make_sgd(*model);
+  Booster booster(std::make_shared<DataParallel>());
+  msg = error_message([&] { booster.step(); });
+  EXPECT_NE(msg.find("call boost(model, optimizer) first"), std::string::npos) << msg;
+  booster.boost(*model, opt);
+  msg = error_message([&] { booster.boost(*model, opt); });
+  EXPECT_NE(msg.find("boost() was called already"), std::string::npos) << msg;
+  Booster bad(std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = 0}));
+  RefModel other(ModelConfig{});
+  auto other_opt = make_sgd(*other);
+  msg = error_message([&] { bad.boost(*other, other_opt); });
+  EXPECT_NE(msg.find("bucket_bytes must be positive"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace ztrain::test
