@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configures and builds ztrain into build/ (or $ZTRAIN_BUILD_DIR). Extra arguments go to cmake.
 # libtorch is that of $ZTRAIN_PYTHON when it is set, else $ZTRAIN_VENV's or .venv's (scripts/setup.sh).
+# $ZTRAIN_BUILD_TARGETS (space-separated) builds those targets only.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ZTRAIN_BUILD_DIR:-$root/build}
@@ -11,4 +12,6 @@ python=()
 py=${ZTRAIN_PYTHON:-${ZTRAIN_VENV:+$ZTRAIN_VENV/bin/python}}
 [[ -z $py ]] || python=(-DZTRAIN_PYTHON="$py")
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${python[@]}" "$@"
-cmake --build "$build" -j "$jobs"
+targets=()
+[[ -z ${ZTRAIN_BUILD_TARGETS:-} ]] || targets=(--target $ZTRAIN_BUILD_TARGETS)
+cmake --build "$build" -j "$jobs" "${targets[@]}"

@@ -1,15 +1,45 @@
 #!/usr/bin/env bash
-# Usage: scripts/sanitize.sh [CTEST_ARGS...]
+# Usage: scripts/sanitize.sh [--thread] [CTEST_ARGS...]
 #
-# Builds ztrain and its tests with AddressSanitizer and UndefinedBehaviorSanitizer (GCC;
-# -DZTRAIN_SANITIZE=address,undefined, every report fatal) into build-asan/ (or
-# $ZTRAIN_SANITIZE_BUILD_DIR), then runs the unit tier and every test at 2 ranks. Extra arguments
-# go to both ctest runs (for example -R comm). Leaks are reported at exit except those of the
-# libraries underneath, which keep allocations for the life of the process
-# (scripts/sanitizers/lsan.supp; the slow unwinder, so that their frames are named). Ends non-zero
-# on any report or failure.
+# Builds ztrain and its tests with sanitizers (GCC; every report fatal) and runs them:
+#
+# - default: AddressSanitizer and UndefinedBehaviorSanitizer (-DZTRAIN_SANITIZE=address,undefined)
+#   into build-asan/, over the unit tier and every test at 2 ranks. Leaks are reported at exit
+#   except those of the libraries underneath, which keep allocations for the life of the process
+#   (scripts/sanitizers/lsan.supp; the slow unwinder, so that their frames are named).
+# - --thread: ThreadSanitizer (-DZTRAIN_SANITIZE=thread) into build-tsan/, over the tests whose
+#   code runs threads of its own — communication streams (ZeRO prefetch and reductions, the
+#   booster's gradient buckets), the offloaded optimizer's thread pool, background saves — at
+#   1 and 2 ranks. libtorch, Open MPI and libgomp are not instrumented: what TSan cannot see
+#   through them is suppressed in scripts/sanitizers/tsan.supp, each entry with its reason, and
+#   libtorch runs one compute thread (OMP_NUM_THREADS=1), as the multi-rank tests do anyway.
+#
+# $ZTRAIN_SANITIZE_BUILD_DIR overrides the build directory. Extra arguments go to every ctest
+# run (for example -R comm). Ends non-zero on any report or failure.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+mode=address
+if [[ ${1:-} == --thread ]]; then
+  mode=thread
+  shift
+fi
+status=0
+if [[ $mode == thread ]]; then
+  build=${ZTRAIN_SANITIZE_BUILD_DIR:-$root/build-tsan}
+  tests=(comm_stream_test communicator_test host_shared_test block_test block_parity_test adam_test
+         adam_offload_test optim_manager_test checkpoint_test optimizer_state_test booster_test)
+  mkdir -p "$build"
+  ZTRAIN_BUILD_DIR=$build ZTRAIN_BUILD_TARGETS="${tests[*]}" "$root/scripts/build.sh" -DZTRAIN_SANITIZE=thread \
+    -DZTRAIN_BUILD_BENCH=OFF -DZTRAIN_BUILD_APPS=OFF >"$build/build.log" 2>&1 ||
+    { tail -30 "$build/build.log"; echo "sanitize: the build failed"; exit 1; }
+  export TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$root/scripts/sanitizers/tsan.supp:halt_on_error=1:second_deadlock_stack=1:history_size=7}
+  export OMP_NUM_THREADS=1
+  regex="^($(IFS='|'; echo "${tests[*]}"))(\\.np[12])?\$"
+  cd "$build" || exit 1
+  ctest -R "$regex" -E '\.cuda$' -j "$(nproc)" --output-on-failure "$@" || status=1
+  ((status == 0)) && echo "sanitize: the threaded tests ran clean under ThreadSanitizer" || echo "sanitize: failures above"
+  exit $status
+fi
 build=${ZTRAIN_SANITIZE_BUILD_DIR:-$root/build-asan}
 mkdir -p "$build"
 ZTRAIN_BUILD_DIR=$build "$root/scripts/build.sh" -DZTRAIN_SANITIZE=address,undefined -DZTRAIN_BUILD_BENCH=OFF \
@@ -18,7 +48,6 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:fast_unwind_on_malloc=0}
 export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/scripts/sanitizers/lsan.supp:print_suppressions=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
 cd "$build" || exit 1
-status=0
 ctest -L unit -j "$(nproc)" --output-on-failure "$@" || status=1
 ctest -R '\.np2$' -j "$(nproc)" --output-on-failure "$@" || status=1
 ((status == 0)) && echo "sanitize: the unit and 2-rank tiers ran clean" || echo "sanitize: failures above"
