@@ -246,8 +246,10 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainArgs& a, torc
   auto options = (a.optimizer == "adam" ? zt::optim::AdamOptions::adam(a.lr) : zt::optim::AdamOptions(a.lr))
                      .betas({a.beta1, a.beta2})
                      .weight_decay(a.weight_decay);
-  if (a.offload) return std::make_unique<zt::optim::AdamOffload>(model, options);
-  return std::make_unique<zt::optim::AdamW>(params, options);
+  // Weight decay skips biases, norm weights and the embeddings (zt::optim::default_weight_decay).
+  auto groups = zt::optim::weight_decay_groups(model, options);
+  if (a.offload) return std::make_unique<zt::optim::AdamOffload>(model, std::move(groups), options);
+  return std::make_unique<zt::optim::AdamW>(std::move(groups), options);
 }
 
 std::shared_ptr<zt::LRScheduler> make_schedule(const TrainArgs& a) {

@@ -23,9 +23,11 @@
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>
 #include <ztrain/optim/optim_manager.h>
+#include <ztrain/optim/param_groups.h>
 #include <ztrain/optim/state_view.h>
 #include <ztrain/pipe/pipe.h>
 #include <ztrain/runtime/runtime.h>
+#include <ztrain/runtime/tp_rng.h>
 #include <ztrain/tp/layers.h>
 #include <ztrain/tp/split.h>
 #include <ztrain/version.h>

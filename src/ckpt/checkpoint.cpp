@@ -10,6 +10,7 @@
 #include <ztrain/runtime/parallel_context.h>
 #include <ztrain/runtime/parameter_record.h>
 #include <ztrain/runtime/rng.h>
+#include <ztrain/runtime/tp_rng.h>
 
 #include <nlohmann/json.hpp>
 
@@ -71,6 +72,14 @@ void write_file_atomically(const fs::path& path, const std::string& text) {
   fsync_path(tmp);
   fs::rename(tmp, path);
   fsync_path(path.parent_path());
+}
+
+/// The suffix of the entry of the same generator's tensor-parallel tracker state (runtime/tp_rng.h).
+constexpr const char* kTrackerSuffix = ".tensor_parallel";
+
+torch::Tensor locked_state(at::Generator& gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
 }
 
 /// rng.safetensors' entry for a rank's generator: "rank<r>" for the CPU's (as ever),
@@ -194,13 +203,17 @@ Publication prepare(const std::string& root, int64_t step, const TrainingState& 
   Publication p{.root = root, .tmp = world.broadcast_bytes(tmp_dir, 0),
                 .final_dir = fs::path(root) / step_name(step), .step = step, .options = options};
   save(state.model, (p.tmp / "model.safetensors").string());
-  // Every rank's generator states, written by rank 0.
-  const auto gens = rng::default_generators(ctx.device());
+  // Every rank's generator states and tensor-parallel tracker states, written by rank 0.
+  auto gens = rng::default_generators(ctx.device());
+  const auto tracker = rng::tensor_parallel_states(ctx.device());
   for (size_t g = 0; g < gens.size(); ++g) {
-    const auto mine = gens[g].get_state();
-    const auto all = world.all_gather_bytes(
-        std::string_view(reinterpret_cast<const char*>(mine.data_ptr()), static_cast<size_t>(mine.nbytes())));
-    for (size_t r = 0; r < all.size(); ++r) p.rng.emplace_back(generator_entry(r, gens[g]), all[r]);
+    std::vector<std::pair<std::string, torch::Tensor>> kinds{{"", locked_state(gens[g])}};
+    if (g < tracker.size()) kinds.emplace_back(kTrackerSuffix, tracker[g]);
+    for (const auto& [suffix, mine] : kinds) {
+      const auto all = world.all_gather_bytes(
+          std::string_view(reinterpret_cast<const char*>(mine.data_ptr()), static_cast<size_t>(mine.nbytes())));
+      for (size_t r = 0; r < all.size(); ++r) p.rng.emplace_back(generator_entry(r, gens[g]) + suffix, all[r]);
+    }
   }
   const auto& topo = ctx.topology();
   p.manifest = {{"format", "ztrain-checkpoint"},
@@ -351,13 +364,18 @@ CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& stat
   CheckpointInfo info = info_of(dir, manifest);
   if (info.world_size == world.size()) {
     ckpt::SafetensorsReader file((fs::path(dir) / "rng.safetensors").string());
+    std::vector<torch::Tensor> tracker;
     for (auto& gen : rng::default_generators(ctx.device())) {
       // A checkpoint saved on the CPU has no device generator states: those keep their seeds.
       const auto name = generator_entry(world.rank(), gen);
       if (!file.contains(name)) continue;
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(file.read(name));
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(file.read(name));
+      }
+      if (file.contains(name + kTrackerSuffix)) tracker.push_back(file.read(name + kTrackerSuffix));
     }
+    if (!tracker.empty()) rng::set_tensor_parallel_states(ctx.device(), std::move(tracker));
   }
   return info;
 }

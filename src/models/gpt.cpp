@@ -3,8 +3,10 @@
 #include <ztrain/comm/functional.h>
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/runtime/tp_rng.h>
 
 #include <cmath>
+#include <optional>
 
 namespace ztrain::models {
 
@@ -91,7 +93,12 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
   auto causal = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
   scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-  auto probs = attn_dropout(torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type()));
+  auto probs = torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type());
+  // When this rank holds some of the heads, their dropout mask is its own, not the tp group's.
+  std::optional<TensorParallelRng> split_rng;
+  if (n_head * hd < x.size(-1)) split_rng.emplace(x.device());
+  probs = attn_dropout(probs);
+  split_rng.reset();
   auto y = torch::matmul(probs, qkv[2]).transpose(1, 2).reshape({b, t, n_head * hd});
   return resid_dropout(c_proj(y));
 }
@@ -122,9 +129,10 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
 GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options, Communicator& tp)
     : wte(tp::slice(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02), {.dim = 0}, tp.rank(), tp.size())
               .to(c.dtype),
-          {.zero_level = options.zero_level, .tp_split = tp::Split{.dim = 0}, .context = options.context}),
+          {.zero_level = options.zero_level, .tp_split = tp::Split{.dim = 0}, .context = options.context,
+           .weight_decay = false}),
       wpe(torch::empty({c.context, c.d_model}).normal_(0.0, 0.01).to(c.dtype),
-          {.zero_level = options.zero_level, .context = options.context}),
+          {.zero_level = options.zero_level, .context = options.context, .weight_decay = false}),
       h(c.n_layer,
         [&](int64_t) {
           GptBlock block(c, &tp);

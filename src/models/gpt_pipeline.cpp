@@ -33,6 +33,7 @@ GptHeadImpl::GptHeadImpl(const GptConfig& c, Communicator* group) : tp(group) {
   const int64_t parts = tp ? tp->size() : 1;
   weight = register_parameter("weight", torch::zeros({c.vocab_size / parts, c.d_model}, c.dtype));
   declare_split("weight", weight, {.dim = 0}, tp);
+  record("weight").no_weight_decay = true;  // the embedding's tied copy: it must step as the embedding does
 }
 
 torch::Tensor GptHeadImpl::forward(const torch::Tensor& x, const torch::Tensor& targets) {

@@ -1,5 +1,8 @@
 #include <ztrain/optim/adam_offload.h>
 
+#include <ztrain/error.h>
+
+#include <unordered_map>
 
 namespace ztrain::optim {
 
@@ -12,11 +15,26 @@ std::vector<torch::Tensor> tensors_of(const std::vector<RecordedParameter>& para
 }  // namespace
 
 AdamOffload::AdamOffload(torch::nn::Module& model, AdamOptions defaults, AdamEngineOptions engine)
-    : AdamOffload(recorded_parameters(model), std::move(defaults), engine) {}
+    : AdamOffload(model, {torch::optim::OptimizerParamGroup(tensors_of(recorded_parameters(model)))},
+                  std::move(defaults), engine) {}
 
-AdamOffload::AdamOffload(const std::vector<RecordedParameter>& params, AdamOptions defaults, AdamEngineOptions engine)
-    : AdamW(tensors_of(params), std::move(defaults), engine) {
-  for (const auto& p : params) fenced_.emplace_back(p.tensor, p.record ? p.record->update : nullptr);
+AdamOffload::AdamOffload(torch::nn::Module& model, std::vector<torch::optim::OptimizerParamGroup> groups,
+                         AdamOptions defaults, AdamEngineOptions engine)
+    : AdamW(std::move(groups), std::move(defaults), engine) {
+  // The fences of the model's parameters, found for the groups' tensors.
+  std::unordered_map<const c10::TensorImpl*, std::shared_ptr<UpdateFence>> fences;
+  for (const auto& p : recorded_parameters(model)) {
+    fences.emplace(p.tensor.unsafeGetTensorImpl(), p.record ? p.record->update : nullptr);
+  }
+  for (const auto& group : param_groups_) {
+    auto& fenced = fenced_.emplace_back();
+    for (const auto& p : group.params()) {
+      const auto it = fences.find(p.unsafeGetTensorImpl());
+      ZTRAIN_CHECK(it != fences.end(), "AdamOffload: a tensor of shape ", p.sizes(),
+                   " in the parameter groups is not a parameter of the model");
+      fenced.emplace_back(p, it->second);
+    }
+  }
   start();
 }
 
@@ -94,8 +112,8 @@ torch::Tensor AdamOffload::step(LossClosure closure) {
       if (!p.grad().defined()) continue;
       auto grad = p.grad();
       p.mutable_grad().reset();  // the step takes the gradient
-      const bool same = g == 0 && i < fenced_.size() && fenced_[i].first.is_same(p);
-      auto fence = same ? fenced_[i].second : nullptr;
+      const bool same = g < fenced_.size() && i < fenced_[g].size() && fenced_[g][i].first.is_same(p);
+      auto fence = same ? fenced_[g][i].second : nullptr;
       if (fence) {
         state_for(p);  // created here, so the update thread never inserts into the state map
         deferred.push_back({p, grad, &options, std::move(fence)});

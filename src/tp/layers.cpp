@@ -121,6 +121,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOpt
   torch::NoGradGuard no_grad;
   weight = register_slice(*this, "weight", torch::randn({options_.num_embeddings, options_.embedding_dim}), {.dim = 0},
                           group_);
+  record("weight").no_weight_decay = true;
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& tokens) {

@@ -13,6 +13,7 @@ struct HolderImpl : torch::nn::Module, ParameterRecords {
                  "DistributedParameter: the name must be non-empty and contain no '.', got '", o.name, "'");
     param = register_parameter(o.name, value.detach().clone(), o.requires_grad);
     if (o.tp_split) declare_split(o.name, param, *o.tp_split, &context.tp());
+    if (!o.weight_decay) record(o.name).no_weight_decay = true;
   }
   torch::Tensor param;
 };

@@ -4,8 +4,10 @@
 
 #include <ztrain/comm/comm_stream.h>
 #include <ztrain/error.h>
+#include <ztrain/optim/param_groups.h>
 #include <ztrain/runtime/init.h>
 #include <ztrain/runtime/rng.h>
+#include <ztrain/runtime/tp_rng.h>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -111,20 +113,24 @@ std::vector<torch::Tensor> inner_leaves(const std::vector<torch::Tensor>& inputs
   return out;
 }
 
+/// The states of `device`'s default generators, then those of the tensor-parallel tracker
+/// (runtime/tp_rng.h): everything a forward draws from.
 std::vector<torch::Tensor> generator_states(c10::Device device) {
   std::vector<torch::Tensor> out;
   for (auto& gen : rng::default_generators(device)) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     out.push_back(gen.get_state());
   }
+  for (auto& state : rng::tensor_parallel_states(device)) out.push_back(std::move(state));
   return out;
 }
 
-/// Sets the generators of `device` to `states` (generator_states) for its lifetime.
+/// Sets the generators of `device` and the tracker to `states` (generator_states) for its
+/// lifetime.
 class GeneratorStateGuard {
  public:
   GeneratorStateGuard(c10::Device device, const std::vector<torch::Tensor>& states)
-      : gens_(rng::default_generators(device)), saved_(generator_states(device)) {
+      : device_(device), gens_(rng::default_generators(device)), saved_(generator_states(device)) {
     set(states);
   }
   ~GeneratorStateGuard() { set(saved_); }
@@ -135,7 +141,11 @@ class GeneratorStateGuard {
       std::lock_guard<std::mutex> lock(gens_[i].mutex());
       gens_[i].set_state(states[i]);
     }
+    if (states.size() > gens_.size()) {
+      rng::set_tensor_parallel_states(device_, {states.begin() + static_cast<std::ptrdiff_t>(gens_.size()), states.end()});
+    }
   }
+  c10::Device device_;
   std::vector<at::Generator> gens_;
   std::vector<torch::Tensor> saved_;
 };
@@ -158,13 +168,18 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     c10::ScalarType dtype;
     bool requires_grad;
     bool tp_distinct;  // tensor-parallel slices, kept apart from replicated parameters
+    bool decays;       // weight decay applies (optim::default_weight_decay), kept apart from the rest
+    bool operator==(const Key&) const = default;
   };
   std::vector<Key> keys;
   std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> members;
   std::vector<std::vector<torch::Tensor>> member_tensors;
   std::vector<std::vector<const ParameterRecord*>> member_records;
   std::vector<std::pair<size_t, size_t>> order;
-  for (const auto& item : recorded_parameters(*wrapped_)) {
+  const auto decays = optim::default_weight_decay(*wrapped_);
+  const auto items = recorded_parameters(*wrapped_);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto& item = items[i];
     const auto& p = item.tensor;
     ZTRAIN_CHECK(p.defined(), kind_, ": parameter '", item.name, "' is undefined");
     ZTRAIN_CHECK(!p.is_meta(), kind_, ": parameter '", item.name, "' is on the meta device and has no values; "
@@ -179,12 +194,9 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     signature << detail::describe(item.name, p.scalar_type(), p.sizes(), p.requires_grad()) << "\n";
     const auto* record = item.record;
     const bool split = record && record->tp_split && record->tp_group && record->tp_group->size() > 1;
-    const Key key{p.scalar_type(), p.requires_grad(), split};
+    const Key key{p.scalar_type(), p.requires_grad(), split, p.requires_grad() && decays[i]};
     size_t g = 0;
-    while (g < keys.size() && !(keys[g].dtype == key.dtype && keys[g].requires_grad == key.requires_grad &&
-                                keys[g].tp_distinct == key.tp_distinct)) {
-      ++g;
-    }
+    while (g < keys.size() && !(keys[g] == key)) ++g;
     if (g == keys.size()) {
       keys.push_back(key);
       members.emplace_back();
@@ -248,6 +260,8 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     record.dp_sharded = policy_->shards_optimizer_state;
     record.tp_distinct = group.tp_distinct;
     record.tp_group = group.tp_group;
+    record.no_weight_decay = !keys[g].decays;
+    record.flat = true;
     record.update = std::make_shared<UpdateFence>();
     fences_.push_back(record.update);
     gathered_versions_.push_back(group.shard._version());

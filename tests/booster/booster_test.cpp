@@ -92,6 +92,31 @@ Trajectory boosted(const ModelConfig& c, int steps, int micro, double max_norm, 
   return t;
 }
 
+RefModel seeded_model(const ModelConfig& c, uint64_t seed) {
+  torch::manual_seed(seed);
+  return RefModel(c);
+}
+
+/// A model built from `seed` and boosted under DataParallel with buckets of `bucket_bytes`.
+struct BoostedModel {
+  BoostedModel(const ModelConfig& c, int64_t bucket_bytes, uint64_t seed = 3)
+      : model(seeded_model(c, seed)), opt(make_sgd(*model)),
+        plugin(std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = bucket_bytes})), booster(plugin) {
+    booster.boost(*model, opt);
+  }
+  void backward(const torch::Tensor& tokens) { booster.backward(lm_loss(model(tokens), tokens)); }
+  void step(const torch::Tensor& tokens) {
+    booster.zero_grad();
+    backward(tokens);
+    booster.step();
+  }
+
+  RefModel model;
+  torch::optim::SGD opt;
+  std::shared_ptr<DataParallel> plugin;
+  Booster booster;
+};
+
 void expect_same(const Trajectory& got, const Trajectory& want) {
   ASSERT_EQ(got.losses.size(), want.losses.size());
   for (size_t i = 0; i < got.losses.size(); ++i) {
@@ -117,38 +142,27 @@ TEST(DataParallel, NoSyncAccumulatesAndReducesOncePerStep) {
   expect_same(boosted(c, 6, 3, 0, {.bucket_bytes = 4096}), want);
 
   auto& dp = runtime().dp();
-  torch::manual_seed(3);
-  RefModel model(c);
-  auto opt = make_sgd(*model);
-  auto plugin = std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = 4096});
-  Booster booster(plugin);
-  booster.boost(*model, opt);
-  const int64_t buckets = plugin->stats().buckets;
+  BoostedModel m(c, 4096);
+  const int64_t buckets = m.plugin->stats().buckets;
   EXPECT_GT(buckets, 3);
   auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
   {
-    auto guard = booster.no_sync();
-    booster.backward(lm_loss(model(tokens), tokens));
-    booster.backward(lm_loss(model(tokens), tokens));
+    auto guard = m.booster.no_sync();
+    m.backward(tokens);
+    m.backward(tokens);
   }
-  const auto quiet = plugin->stats();
+  const auto quiet = m.plugin->stats();
   EXPECT_EQ(quiet.reductions_during_backward + quiet.reductions_at_end, 0);
-  booster.backward(lm_loss(model(tokens), tokens));
-  const auto synced = plugin->stats();
+  m.backward(tokens);
+  const auto synced = m.plugin->stats();
   EXPECT_EQ(synced.reductions_during_backward + synced.reductions_at_end, dp.size() > 1 ? buckets : 0);
 }
 
 TEST(DataParallel, ReductionsOverlapBackward) {
   const ModelConfig c{.layers = 4};
-  torch::manual_seed(3);
-  RefModel model(c);
-  auto opt = make_sgd(*model);
-  auto plugin = std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = 2048});
-  Booster booster(plugin);
-  booster.boost(*model, opt);
-  auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
-  booster.backward(lm_loss(model(tokens), tokens));
-  const auto s = plugin->stats();
+  BoostedModel m(c, 2048);
+  m.backward(batch_tokens(0, kBatch, kSeq, c.vocab));
+  const auto s = m.plugin->stats();
   if (runtime().dp().size() == 1) {
     EXPECT_EQ(s.reductions_during_backward + s.reductions_at_end, 0);
     return;
@@ -200,30 +214,17 @@ TEST(DataParallel, CheckpointsRoundTrip) {
   if (runtime().rank() == 0) std::filesystem::create_directories(dir);
   runtime().world().barrier();
   auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
-  auto train_step = [&](Booster& booster, RefModel& model) {
-    booster.zero_grad();
-    booster.backward(lm_loss(model(tokens), tokens));
-    booster.step();
-  };
-  torch::manual_seed(3);
-  RefModel model(c);
-  auto opt = make_sgd(*model);
-  Booster booster(std::make_shared<DataParallel>());
-  booster.boost(*model, opt);
-  for (int i = 0; i < 3; ++i) train_step(booster, model);
-  booster.save_model(dir + "/model.safetensors");
-  booster.save_optimizer(dir + "/optimizer.safetensors");
+  BoostedModel m(c, DataParallelOptions{}.bucket_bytes);
+  for (int i = 0; i < 3; ++i) m.step(tokens);
+  m.booster.save_model(dir + "/model.safetensors");
+  m.booster.save_optimizer(dir + "/optimizer.safetensors");
 
-  torch::manual_seed(11);
-  RefModel again(c);
-  auto again_opt = make_sgd(*again);
-  Booster again_booster(std::make_shared<DataParallel>());
-  again_booster.boost(*again, again_opt);
-  again_booster.load_model(dir + "/model.safetensors");
-  again_booster.load_optimizer(dir + "/optimizer.safetensors");
-  train_step(booster, model);
-  train_step(again_booster, again);
-  const auto a = values(*model), b = values(*again);
+  BoostedModel again(c, DataParallelOptions{}.bucket_bytes, 11);
+  again.booster.load_model(dir + "/model.safetensors");
+  again.booster.load_optimizer(dir + "/optimizer.safetensors");
+  m.step(tokens);
+  again.step(tokens);
+  const auto a = values(*m.model), b = values(*again.model);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(tensors_equal(a[i], b[i])) << "parameter " << i;
 
   // The model file is a plain one: a model without ztrain loads it.

@@ -51,6 +51,10 @@ class AdamOffload : public AdamW {
  public:
   /// Updates every parameter of `model` (one parameter group, in model->parameters() order).
   explicit AdamOffload(torch::nn::Module& model, AdamOptions defaults = {}, AdamEngineOptions engine = {});
+  /// Updates the parameters of `model` in `groups` (for example weight_decay_groups(model,
+  /// defaults)); every tensor in them must be a parameter of `model`.
+  AdamOffload(torch::nn::Module& model, std::vector<torch::optim::OptimizerParamGroup> groups, AdamOptions defaults,
+              AdamEngineOptions engine = {});
   /// Waits for the updates in flight (errors are dropped; call wait() to see them).
   ~AdamOffload() override;
 
@@ -68,13 +72,12 @@ class AdamOffload : public AdamW {
   void sync() const override { const_cast<AdamOffload*>(this)->wait(); }
 
  private:
-  AdamOffload(const std::vector<RecordedParameter>& params, AdamOptions defaults, AdamEngineOptions engine);
   void start();
   void run();
 
-  /// Param group 0's parameters as built from the model, with their fences (null: updated in
+  /// Each group's parameters as built from the model, with their fences (null: updated in
   /// step()); a position whose tensor was replaced since has none.
-  std::vector<std::pair<torch::Tensor, std::shared_ptr<UpdateFence>>> fenced_;
+  std::vector<std::vector<std::pair<torch::Tensor, std::shared_ptr<UpdateFence>>>> fenced_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<std::function<void()>> queue_;

@@ -90,6 +90,12 @@ struct ParameterRecord {
   /// Pipeline stages holding a copy of this parameter (pipe::Pipeline::tie); their gradients
   /// are equal once summed, so a global norm counts each copy 1/tied_copies times.
   int tied_copies = 1;
+  /// Weight decay skips it (optim::default_weight_decay): an embedding, or a sharded module's
+  /// flat group of parameters that weight decay skips.
+  bool no_weight_decay = false;
+  /// A sharded module's flat group (or this rank's shard of it): one tensor holding several
+  /// parameters, whose own shape says nothing of theirs.
+  bool flat = false;
   /// Where the owner waits for asynchronous writes before reading the parameter (sharded
   /// modules). Null: the owner reads without waiting, so optimizers must update it in step().
   std::shared_ptr<UpdateFence> update;

@@ -36,6 +36,9 @@ struct DistributedParameterOptions {
   std::optional<TensorSplit> tp_split;
   /// The mesh whose dp group shards it. Not set: the default context.
   std::shared_ptr<ParallelContext> context;
+  /// Whether weight decay applies to it by default (optim::default_weight_decay): false for an
+  /// embedding; a tensor of fewer than two dimensions never decays.
+  bool weight_decay = true;
 };
 
 class DistributedParameterImpl : public ShardedModule {
