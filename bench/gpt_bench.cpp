@@ -39,6 +39,7 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -119,6 +120,13 @@ void synchronize(c10::Device device) {
 
 /// GFLOP/s of an [m, k] × [k, n] matmul in `dtype` on the runtime's device (on the CPU, this
 /// thread count): the best of a few repetitions (at least `min_s` seconds of them).
+/// The most bytes the device's caching allocator held for tensors at once (0 on the CPU).
+int64_t device_peak_bytes(c10::Device device) {
+  if (device.is_cpu()) return 0;
+  const auto stats = c10::getDeviceAllocator(device.type())->getDeviceStats(device.index());
+  return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+}
+
 double matmul_gflops(int64_t m, int64_t k, int64_t n, c10::ScalarType dtype, double min_s = 0.15) {
   const auto device = zt::runtime().device();
   auto a = torch::randn({m, k}).to(device, dtype), b = torch::randn({k, n}).to(device, dtype);
@@ -221,7 +229,7 @@ struct Args {
   int steps = 10, warmup = 3;
   std::string data = "data/tinyshakespeare.txt";
   std::string json_path, profile_path, tag;
-  bool probe = false;
+  bool probe = false, offload = false;
   std::optional<std::string> device;  // not set: ZTRAIN_DEVICE, else the CPU
 };
 
@@ -269,7 +277,14 @@ int run(const Args& a) {
     module = m.ptr();
   }
   zt::init_parameters(*module, {.seed = 1234, .init = zt::models::gpt_init(config)});
-  zt::optim::AdamW opt(module->parameters(), zt::optim::AdamOptions(1e-3).betas({0.9, 0.95}).weight_decay(0.1));
+  const auto adam = zt::optim::AdamOptions(1e-3).betas({0.9, 0.95}).weight_decay(0.1);
+  std::unique_ptr<zt::optim::AdamW> optimizer;
+  if (a.offload) {
+    optimizer = std::make_unique<zt::optim::AdamOffload>(*module, adam);
+  } else {
+    optimizer = std::make_unique<zt::optim::AdamW>(module->parameters(), adam);
+  }
+  auto& opt = *optimizer;
   std::vector<MPI_Comm> streams;  // the engine's gather and reduce communicators
   if (!plain) {
     auto& ctx = rt.context();
@@ -358,7 +373,7 @@ int run(const Args& a) {
   json memory = {{"parameter", held.parameter_bytes}, {"gathered", held.gathered_bytes},
                  {"gradient", held.gradient_bytes},   {"optimizer", held.optimizer_bytes},
                  {"model_state", held.model_state_bytes()}, {"peak_rss", zt::memory_stats(*module).peak_rss_bytes},
-                 {"rss_before_model", before.rss_bytes}};
+                 {"rss_before_model", before.rss_bytes}, {"device_peak", device_peak_bytes(device)}};
   for (auto& [k, v] : memory.items()) v = max_over_ranks(static_cast<double>(v.get<int64_t>()));
 
   const auto step_spread = spread(step_s);
@@ -382,7 +397,8 @@ int run(const Args& a) {
       {"seq", seq},
       {"steps", steps},
       {"warmup", warmup},
-      {"optimizer", "ztrain::optim::AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1"},
+      {"optimizer", c10::str(a.offload ? "ztrain::optim::AdamOffload" : "ztrain::optim::AdamW",
+                             " lr 1e-3 betas (0.9, 0.95) wd 0.1")},
       {"tokens_per_step", tokens_per_step},
       {"step_s", to_json(step_spread)},
       {"tokens_per_s", tokens_per_s},
@@ -426,6 +442,7 @@ int main(int argc, char** argv) try {
   app.add_option("--json", a.json_path, "append the result line to this file");
   app.add_option("--tag", a.tag, "a label copied into the result");
   app.add_flag("--probe", a.probe, "measure the fp32 and bf16 matmul peak first");
+  app.add_flag("--offload", a.offload, "AdamOffload: optimizer state in (pinned) host memory, the update on the CPU");
   app.add_option("--device", a.device, "cpu, cuda or cuda:N (default: ZTRAIN_DEVICE, else cpu)");
   app.add_option("--profile", a.profile_path, "write a Chrome trace of one extra step (rank 0)");
   CLI11_PARSE(app, argc, argv);

@@ -77,7 +77,7 @@ class Attention(torch.nn.Module):
         hd = d // self.heads
         qkv = self.c_attn(x).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
         s = torch.matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         p = torch.softmax(s, -1, dtype=torch.float32).to(qkv.dtype)
         return self.c_proj(torch.matmul(p, qkv[2]).transpose(1, 2).reshape(b, t, d))
 
@@ -136,7 +136,7 @@ class Gpt(torch.nn.Module):
         """Mean next-token cross-entropy over tokens [batch, seq + 1]."""
         x_ids, y_ids = tokens[:, :-1], tokens[:, 1:]
         tr = self.transformer
-        h = tr.wte(x_ids) + tr.wpe(torch.arange(x_ids.shape[1]))
+        h = tr.wte(x_ids) + tr.wpe(torch.arange(x_ids.shape[1], device=x_ids.device))
         for block in tr.h:
             h = block(h)
         logits = torch.matmul(tr.ln_f(h), tr.wte.weight.t())
@@ -162,6 +162,11 @@ def check():
     reference = gpt_reference.loss(weights, tokens, c["heads"])
     ok = abs(ours - reference) <= 1e-9 * abs(reference)
     print(f"peer_torch --check: loss {ours:.12g}, gpt_reference {reference:.12g}: {'equal' if ok else 'DIFFERENT'}")
+    # Every tensor the forward makes is on its input's device (--device cuda): on the meta device
+    # a tensor made on the CPU raises, without a GPU.
+    with torch.device("meta"):
+        on_meta = Gpt(c)
+    on_meta(torch.zeros(3, 12, dtype=torch.long, device="meta"))
     return 0 if ok else 1
 
 

@@ -48,6 +48,8 @@ if [[ -n ${ZTRAIN_DEBS:-} ]]; then
   for tool in mpirun mpiexec mpicxx mpicc; do ln -sf "$deps/usr/bin/$tool.openmpi" "$deps/bin/$tool"; done
   arch_lib=$deps/usr/lib/x86_64-linux-gnu
   export PATH=$deps/bin:$PATH OPAL_PREFIX=$deps/usr
+  # Quiet where the machine has a PMIx of its own whose plugins do not match the unpacked one.
+  export PMIX_MCA_mca_base_component_show_load_errors=0 PMIX_MCA_pcompress_base_silence_warning=1
   export LD_LIBRARY_PATH=$arch_lib:$arch_lib/openmpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   cmake_args+=(-DCMAKE_PREFIX_PATH="$deps/usr" -DMPI_CXX_COMPILER="$deps/bin/mpicxx" -DMPI_C_COMPILER="$deps/bin/mpicc")
 fi

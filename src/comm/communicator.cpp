@@ -246,7 +246,8 @@ void Communicator::check_tensor(const torch::Tensor& t, const char* call, const 
 }
 
 torch::Tensor Communicator::stage(const torch::Tensor& t, bool read) {
-  if (t.device() == device()) return t;
+  // One rank: every collective is a copy or nothing, which runs on the tensor's own device.
+  if (t.device() == device() || size_ == 1) return t;
   stats_.staged_bytes += t.nbytes();
   // Pinned host memory, so that copies to and from the device run at full speed.
   auto staged = torch::empty(t.sizes(), t.options().device(device()).pinned_memory(device().is_cpu()));

@@ -50,6 +50,7 @@ AdamOffload::~AdamOffload() {
 void AdamOffload::start() { worker_ = std::thread([this] { run(); }); }
 
 void AdamOffload::run() {
+  torch::NoGradGuard no_grad;  // grad mode is per thread: the update writes leaves that require grad
   for (;;) {
     std::function<void()> job;
     {

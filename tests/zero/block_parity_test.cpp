@@ -101,7 +101,8 @@ TEST(BlockParityHostShared, MatchesSingleProcessAtEveryLevel) {
   for (int level = 0; level <= 3; ++level) {
     expect_same(train_zero({.zero_level = level, .use_checkpoint = level == 3}, level, true, config, lr), ref);
   }
-  if (runtime().dp().size() > 1) {
+  // Device tensors travel through staging buffers of their own, which peers do not map.
+  if (runtime().dp().size() > 1 && runtime().device().is_cpu()) {
     EXPECT_GT(peer_host_shared_mappings(), 0) << "the host-shared path was never taken";
   }
 }

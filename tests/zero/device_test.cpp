@@ -44,8 +44,10 @@ TEST(Device, ShardedModulesMoveWhatTheyWrapOntoTheContextsDevice) {
 }
 
 // The device side runs libtorch's fused kernel (what CUDA parameters always use), the CPU side
-// ztrain's SIMD kernel; both equal PyTorch's AdamW to ~1e-6 (optim/adam_test.cpp), so each other
-// to 1e-5.
+// ztrain's SIMD kernel, which equals PyTorch's AdamW to ~1e-6 (optim/adam_test.cpp). The CUDA
+// fused kernel forms 1 - beta2 in float (1 - 0.999f = 0.00099998713), so its second moment is
+// 1.3e-5 smaller, relatively, than torch.optim's and the CPU kernel's (1 - 0.999 in double, then
+// rounded): 3e-5 for the moments, 1e-5 for what they move.
 TEST(Device, AdamThereMatchesTheCpuKernel) {
   const auto device = runtime().device();
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
@@ -70,7 +72,7 @@ TEST(Device, AdamThereMatchesTheCpuKernel) {
       EXPECT_EQ(s->master.device(), device);
       EXPECT_TRUE(tensors_equal(s->master, cpu_opt.state_of(on_cpu)->master, 1e-5, 1e-7));
     }
-    EXPECT_TRUE(tensors_equal(s->exp_avg_sq, cpu_opt.state_of(on_cpu)->exp_avg_sq, 1e-5, 1e-12));
+    EXPECT_TRUE(tensors_equal(s->exp_avg_sq, cpu_opt.state_of(on_cpu)->exp_avg_sq, 3e-5, 1e-12));
     // A 16-bit parameter is its master rounded: within one unit of the dtype where the masters differ.
     const double eps = dtype == torch::kFloat32 ? 1e-5 : std::ldexp(1.0, -7);
     EXPECT_TRUE(tensors_equal(on_device, on_cpu, eps, 1e-7));
@@ -112,6 +114,27 @@ Trained train(int level, int steps) {
   return t;
 }
 
+using Named = std::vector<std::pair<std::string, torch::Tensor>>;
+
+/// Parameters of two runs whose kernels differ in rounding, equal to `rtol`/`atol`, except the
+/// attention's key bias: its gradient is zero up to rounding (softmax ignores a shift shared by
+/// all keys), and Adam turns rounding noise into steps of up to about lr each, in either
+/// direction: it is held to `key_atol`.
+void expect_near(const Named& a, const Named& b, double rtol, double atol, double key_atol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto &x = a[i].second, &y = b[i].second;
+    if (!a[i].first.ends_with("qkv.bias")) {
+      EXPECT_TRUE(tensors_equal(x, y, rtol, atol)) << a[i].first;
+      continue;
+    }
+    const int64_t d = x.size(0) / 3;
+    EXPECT_TRUE(tensors_equal(x.narrow(0, 0, d), y.narrow(0, 0, d), rtol, atol)) << a[i].first << " (query)";
+    EXPECT_TRUE(tensors_equal(x.narrow(0, d, d), y.narrow(0, d, d), 0.0, key_atol)) << a[i].first << " (key)";
+    EXPECT_TRUE(tensors_equal(x.narrow(0, 2 * d, d), y.narrow(0, 2 * d, d), rtol, atol)) << a[i].first << " (value)";
+  }
+}
+
 /// AdamW over a model's parameters, as AdamOffload is constructed.
 struct ModelAdamW : zo::AdamW {
   ModelAdamW(torch::nn::Module& model, zo::AdamOptions options) : zo::AdamW(model.parameters(), options) {}
@@ -129,11 +152,7 @@ TEST(Device, AdamOffloadKeepsItsStateOnTheHostAndEqualsAdamW) {
     for (size_t i = 0; i < plain.losses.size(); ++i) {
       EXPECT_NEAR(plain.losses[i], offload.losses[i], cpu ? 0.0 : 1e-5 * plain.losses[i]) << "step " << i;
     }
-    ASSERT_EQ(plain.params.size(), offload.params.size());
-    for (size_t i = 0; i < plain.params.size(); ++i) {
-      EXPECT_TRUE(tensors_equal(plain.params[i].second, offload.params[i].second, cpu ? 0.0 : 1e-5, cpu ? 0.0 : 1e-7))
-          << plain.params[i].first;
-    }
+    expect_near(plain.params, offload.params, cpu ? 0.0 : 1e-5, cpu ? 0.0 : 1e-7, cpu ? 0.0 : 5 * 2 * 1e-2);
   }
 }
 
@@ -186,10 +205,7 @@ TEST(Device, CheckpointSavedOnTheDeviceLoadsOnTheCpuAndBack) {
   // The optimizer state came along: one more step stays together (within the devices' kernels).
   on_device.train(3, 1);
   on_cpu.train(3, 1);
-  const auto pd = on_device.params(), pc = on_cpu.params();
-  for (size_t i = 0; i < pd.size(); ++i) {
-    EXPECT_TRUE(tensors_equal(pd[i].second, pc[i].second, 1e-4, 1e-6)) << pd[i].first;
-  }
+  expect_near(on_device.params(), on_cpu.params(), 1e-4, 1e-6, 2 * 1e-2);
 
   // And back: saved on the CPU, loaded on the device.
   const auto back = save_checkpoint(root, 4, on_cpu.state());

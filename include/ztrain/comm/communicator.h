@@ -187,7 +187,8 @@ class Communicator {
   void ensure_usable();
   void begin(const Call& call);
   void check_tensor(const torch::Tensor& t, const char* call, const char* what) const;
-  // `t` itself when it is on the transport's device, else a buffer there, holding t's values
+  // `t` itself when it is on the transport's device or the communicator has one rank (nothing
+  // crosses a process then), else a buffer on the transport's device, holding t's values
   // when `read`; unstage copies a buffer's values back into the tensor it stands for.
   torch::Tensor stage(const torch::Tensor& t, bool read);
   static void unstage(const torch::Tensor& t, const torch::Tensor& staged);
