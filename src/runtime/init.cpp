@@ -119,8 +119,11 @@ int resolve_threads(const InitOptions& o, int local_size) {
 Runtime::Runtime(const InitOptions& options)
     : timeout_(resolve_timeout(options)), debug_(resolve_debug(options)), huge_pages_(resolve_huge_pages(options)) {
   if (huge_pages_) detail::install_huge_page_allocator();
+  // Ranks start at different times and make their first connections here: the communicators of
+  // the context are made under a deadline of at least kStartupTimeout, then take timeout_.
+  const auto startup = std::max<std::chrono::milliseconds>(timeout_, kStartupTimeout);
   auto world = make_world_communicator(
-      options.backend, {.name = "world", .timeout = timeout_, .debug = debug_, .hierarchical = resolve_hierarchical(options)});
+      options.backend, {.name = "world", .timeout = startup, .debug = debug_, .hierarchical = resolve_hierarchical(options)});
   const auto host = host_layout(*world);
   local_size_ = host.local_size;
   local_rank_ = host.local_rank;
@@ -132,6 +135,9 @@ Runtime::Runtime(const InitOptions& options)
                                                         .seed = options.seed,
                                                         .host_shared_buffers = resolve_host_shared_buffers(options),
                                                         .device = device});
+  for (auto* c : {&context_->world(), &context_->tp(), &context_->dp(), &context_->pp(), &context_->stage()}) {
+    c->set_timeout(timeout_);
+  }
   at::set_num_threads(threads_);
   context_->world().reset_stats();
   torch::manual_seed(rng::data_parallel_seed(options.seed, context_->coord()));

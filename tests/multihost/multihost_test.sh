@@ -48,8 +48,11 @@ for i in "${!configs[@]}"; do
 done
 
 # 3. The link of host 1 goes down during training: every rank fails within its 5 s deadline.
+# Every pair of ranks connects in MPI_Init (mpi_preconnect_mpi), under no deadline, so that the
+# 5 s ones time the cut, not a first connection slowed by a loaded machine.
 stamps=$work/cut && mkdir -p "$stamps"
-ZTRAIN_TIMEOUT_S=5 hosts_mpirun 2 --enable-recovery -x ZTRAIN_TIMEOUT_S -- "$here/stamp.sh" "$stamps" "$gpt" train \
+ZTRAIN_TIMEOUT_S=5 hosts_mpirun 2 --enable-recovery --mca mpi_preconnect_mpi 1 -x ZTRAIN_TIMEOUT_S -- \
+  "$here/stamp.sh" "$stamps" "$gpt" train \
   --data "$work/corpus.txt" --preset tiny --seq 32 --batch 2 --steps 100000 --eval-interval 0 --zero-level 3 \
   --ckpt-interval 4 --out "$work/cut-run" > "$work/cut.log" 2>&1 &
 job=$!

@@ -71,7 +71,10 @@ TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   EXPECT_EQ(ztrain::world_size(), world);
   EXPECT_EQ(ztrain::rank(), rt.rank());
   EXPECT_EQ(rt.timeout(), 42s);
-  EXPECT_EQ(rt.world().timeout(), 42s);
+  // Made under the startup deadline (at least 60 s), then given the configured one.
+  auto& ctx = rt.context();
+  for (auto* c : {&ctx.world(), &ctx.tp(), &ctx.dp(), &ctx.pp(), &ctx.stage()}) EXPECT_EQ(c->timeout(), 42s) << c->name();
+  EXPECT_EQ(ctx.gather_stream().communicator().timeout(), 42s);
   EXPECT_TRUE(rt.debug_collectives());
   EXPECT_TRUE(rt.world().debug());
   EXPECT_EQ(rt.threads(), 1);

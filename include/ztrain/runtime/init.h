@@ -33,6 +33,9 @@
 
 namespace ztrain {
 
+/// The least deadline of the waits while init_distributed makes the context's communicators.
+inline constexpr std::chrono::seconds kStartupTimeout{60};
+
 struct InitOptions {
   uint64_t seed = 0;
   /// The communicator backend (comm/backend.h).
@@ -43,7 +46,8 @@ struct InitOptions {
   /// usable cores of this host divided by the ranks on it (at least 1).
   std::optional<int> threads;
   /// Deadline of every communication wait. Not set: ZTRAIN_TIMEOUT_S from the environment,
-  /// else 300 s.
+  /// else 300 s. Making the context's communicators at init waits at least kStartupTimeout
+  /// (ranks start at different times and connect for the first time there).
   std::optional<std::chrono::milliseconds> timeout;
   /// Check before every collective that all members agree on it (op, dtype, sizes, root).
   /// Not set: on when ZTRAIN_DEBUG_COLLECTIVES is 1.
