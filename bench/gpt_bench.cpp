@@ -15,6 +15,8 @@
 // draws by parameter name, so both get bit-identical weights), the same fused AdamW, and no
 // ztrain engine and no communication: under mpirun every rank trains its own replica, so the
 // figure is the data-parallel ceiling of the machine's cores (no gradient exchange at all).
+// `--offload`: AdamOffload in place of AdamW (its state in host memory, pinned for a device's
+// parameters; the update on the CPU), for the largest model a device holds.
 //
 // A step: gradients dropped (set to none), forward and loss, backward, optimizer step. Batches
 // come from --data (byte tokens), rank r of n taking windows (step·n + r)·batch + i. Each step
@@ -29,7 +31,8 @@
 // Where the engine's buffers are host-shared, its large collectives read the peers' buffers in
 // place instead of sending them; those bytes are counted too (the in_place share).
 // Model-state bytes are taken after the last backward, before its optimizer step: parameters,
-// gradients and optimizer state all exist then.
+// gradients and optimizer state all exist then. On a GPU, memory.device_peak is the most its
+// caching allocator held for tensors during the run.
 #include "mpi_traffic.h"
 
 #include "../src/comm/host_shared_detail.h"
@@ -118,8 +121,6 @@ void synchronize(c10::Device device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
-/// GFLOP/s of an [m, k] × [k, n] matmul in `dtype` on the runtime's device (on the CPU, this
-/// thread count): the best of a few repetitions (at least `min_s` seconds of them).
 /// The most bytes the device's caching allocator held for tensors at once (0 on the CPU).
 int64_t device_peak_bytes(c10::Device device) {
   if (device.is_cpu()) return 0;
@@ -127,6 +128,8 @@ int64_t device_peak_bytes(c10::Device device) {
   return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
 }
 
+/// GFLOP/s of an [m, k] × [k, n] matmul in `dtype` on the runtime's device (on the CPU, this
+/// thread count): the best of a few repetitions (at least `min_s` seconds of them).
 double matmul_gflops(int64_t m, int64_t k, int64_t n, c10::ScalarType dtype, double min_s = 0.15) {
   const auto device = zt::runtime().device();
   auto a = torch::randn({m, k}).to(device, dtype), b = torch::randn({k, n}).to(device, dtype);

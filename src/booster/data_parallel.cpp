@@ -276,6 +276,18 @@ void DataParallel::boost(torch::nn::Module& model, torch::optim::Optimizer& opti
                    p.sizes(), " that is not a parameter of the model; build the optimizer over model->parameters()");
     }
   }
+  // One device per rank: a model built elsewhere moves to the context's, as modules wrapped by
+  // the ZeRO engine do. Module::to keeps the parameter objects, so the optimizer's stay valid;
+  // state it already holds would not follow.
+  const auto device = default_context().device();
+  bool elsewhere = false;
+  for (const auto& p : model.parameters()) elsewhere = elsewhere || p.device() != device;
+  for (const auto& b : model.buffers()) elsewhere = elsewhere || b.device() != device;
+  if (elsewhere) {
+    ZTRAIN_CHECK(optimizer.state().empty(), "DataParallel: the model is not on the context's device ", device,
+                 " and its optimizer holds state already; boost() before the first step, or move both there first");
+    model.to(device);
+  }
   buckets_ = std::make_shared<detail::GradientBuckets>(default_context(), model, options_.bucket_bytes);
   buckets_->arm();
 }

@@ -1,7 +1,9 @@
 // Booster with the DataParallel plugin: a plain libtorch model trains as the single-process one
 // on the global batch (losses and parameters), reductions overlap backward, no_sync accumulates
 // with one reduction per step, unused parameters count as zero, checkpoints round-trip, and bad
-// input is refused with a clear error.
+// input is refused with a clear error. Models are built on the CPU and boosted onto the
+// runtime's device (a CUDA device in the .cuda variants); the single-process reference stays on
+// the CPU.
 
 #include "../zero/zero_model.h"
 #include "test_util.h"
@@ -75,7 +77,7 @@ Trajectory boosted(const ModelConfig& c, int steps, int micro, double max_norm, 
     double loss_sum = 0;
     for (int m = 0; m < micro; ++m) {
       const int64_t first = (dp.rank() * micro + m) * kBatch;
-      auto local = tokens.slice(0, first, first + kBatch);
+      auto local = tokens.slice(0, first, first + kBatch).to(runtime().device());
       auto loss = lm_loss(model(local), local) / micro;
       if (m + 1 < micro) {
         auto guard = booster.no_sync();
@@ -104,7 +106,10 @@ struct BoostedModel {
         plugin(std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = bucket_bytes})), booster(plugin) {
     booster.boost(*model, opt);
   }
-  void backward(const torch::Tensor& tokens) { booster.backward(lm_loss(model(tokens), tokens)); }
+  void backward(const torch::Tensor& tokens) {
+    const auto local = tokens.to(runtime().device());
+    booster.backward(lm_loss(model(local), local));
+  }
   void step(const torch::Tensor& tokens) {
     booster.zero_grad();
     backward(tokens);
@@ -143,6 +148,7 @@ TEST(DataParallel, NoSyncAccumulatesAndReducesOncePerStep) {
 
   auto& dp = runtime().dp();
   BoostedModel m(c, 4096);
+  for (const auto& p : m.model->parameters()) EXPECT_EQ(p.device(), runtime().device()) << "boost() moves the model";
   const int64_t buckets = m.plugin->stats().buckets;
   EXPECT_GT(buckets, 3);
   auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
@@ -192,7 +198,7 @@ TEST(DataParallel, AParameterWithoutGradientOnARankCountsAsZero) {
   torch::optim::SGD opt(model->parameters(), 0.1);
   Booster booster(std::make_shared<DataParallel>());
   booster.boost(*model, opt);
-  auto x = torch::arange(8, torch::kFloat32).reshape({2, 4}) + dp.rank();
+  auto x = (torch::arange(8, torch::kFloat32).reshape({2, 4}) + dp.rank()).to(runtime().device());
   // A plain backward() reduces as well: the plugin needs no call of its own.
   model->forward(x, dp.rank() == 0).sum().backward();
 

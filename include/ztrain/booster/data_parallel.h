@@ -14,7 +14,9 @@
 /// ends with the same gradients. Under Booster::no_sync the gradients accumulate locally and
 /// the next synchronised backward reduces the sum.
 ///
-/// The model is replicated over the dp group of the default context (init_distributed).
+/// The model is replicated over the dp group of the default context (init_distributed), on its
+/// device: boost() moves a model built elsewhere there (the parameter objects stay, so the
+/// optimizer's references hold; batches go there as the caller sends them).
 /// The model needs nothing from ztrain: its forward runs as written. Parameters stay
 /// replicated (optimizer state too); use it where the model and its optimizer state fit on
 /// every rank.
