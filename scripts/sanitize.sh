@@ -48,7 +48,32 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:fast_unwind_on_malloc=0}
 export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$root/scripts/sanitizers/lsan.supp:print_suppressions=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
 cd "$build" || exit 1
-ctest -L unit -j "$(nproc)" --output-on-failure "$@" || status=1
-ctest -R '\.np2$' -j "$(nproc)" --output-on-failure "$@" || status=1
+# LeakSanitizer's stop-the-world tracer now and then crashes itself at a process's exit, after
+# the test passed and before any leak is reported ("Tracer caught signal 11", an intermittent
+# fault of the sanitizer runtime: google/sanitizers#1353; seen in 2 of 8 runs of
+# communicator_test.np2, never reproduced alone). A test that failed that way and no other runs
+# once more, and its second run's leak check is the one that counts. Every other failure stands.
+tracer_crash_only() {  # the test's section of ctest's log shows the tracer crash and nothing else
+  local section
+  section=$(awk -v n="$1" '/ Testing: / && $NF == n {on = 1} on {print} on && /end time/ {exit}' \
+    Testing/Temporary/LastTest.log)
+  grep -q "Tracer caught signal" <<<"$section" &&
+    ! grep -qE "ERROR: (Address|Leak)Sanitizer|runtime error:|\[  FAILED  \]" <<<"$section"
+}
+run_tier() {
+  ctest -j "$(nproc)" --output-on-failure "$@" && return 0
+  local failed=() retry=() name rc=0
+  mapfile -t failed < <(cut -d: -f2- Testing/Temporary/LastTestsFailed.log)
+  for name in "${failed[@]}"; do
+    if tracer_crash_only "$name"; then retry+=("$name"); else rc=1; fi
+  done
+  for name in "${retry[@]}"; do
+    echo "sanitize: $name passed, then LeakSanitizer's tracer crashed at exit; running it once more"
+    ctest -R "^${name//./\\.}\$" --output-on-failure || rc=1
+  done
+  return $rc
+}
+run_tier -L unit "$@" || status=1
+run_tier -R '\.np2$' "$@" || status=1
 ((status == 0)) && echo "sanitize: the unit and 2-rank tiers ran clean" || echo "sanitize: failures above"
 exit $status

@@ -1,5 +1,7 @@
 // Collectives against a reference every rank computes locally: rank r's input is a pure function
-// of (r, dtype, size), so each rank knows every other rank's contribution.
+// of (r, dtype, size), so each rank knows every other rank's contribution. The tensors live on
+// the runtime's device (a CUDA device in the .cuda variants, which the MPI backend stages
+// through the host); host-shared buffers are host memory, so their tests run on the CPU only.
 #include "test_util.h"
 
 #include <ztrain/comm/communicator.h>
@@ -17,6 +19,7 @@ namespace {
 
 
 ztrain::Communicator& world() { return ztrain::runtime().world(); }
+torch::Device device() { return ztrain::runtime().device(); }
 
 // Integer-valued in [-8, 8) (in [0, 16) for uint8, 0/1 for bool): sums over four ranks stay
 // exact in every dtype, so sum, max and min must match bit for bit whatever order the
@@ -57,8 +60,10 @@ std::vector<ReduceOp> ops_for(c10::ScalarType dtype) {
 
 // Where a check puts the buffers that peers read: left as allocated, or in host-shared memory.
 using Place = torch::Tensor (*)(const torch::Tensor&);
-torch::Tensor as_is(const torch::Tensor& t) { return t; }
+torch::Tensor on_device(const torch::Tensor& t) { return t.to(device()); }
 torch::Tensor host_shared(const torch::Tensor& t) { return ztrain::host_shared_empty(t.sizes(), t.options()).copy_(t); }
+#define SKIP_UNLESS_ON_THE_HOST() \
+  if (device().type() != torch::kCPU) GTEST_SKIP() << "host-shared buffers are host memory"
 
 std::string label(c10::ScalarType dtype, int64_t n, const char* extra = "") {
   return c10::str(dtype, " n=", n, " ", extra);
@@ -67,7 +72,7 @@ std::string label(c10::ScalarType dtype, int64_t n, const char* extra = "") {
 
 // The checks take the communicator and sizes so they can run on the default communicator (MPI's
 // collectives below the ring threshold, rings above it) and on ones forced to either path.
-void check_all_reduce(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = as_is) {
+void check_all_reduce(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = on_device) {
   for (auto dtype : kDtypes) {
     for (auto n : sizes) {
       for (auto op : ops_for(dtype)) {
@@ -85,8 +90,8 @@ void check_all_reduce(ztrain::Communicator& c, const std::vector<int64_t>& sizes
 
 // `place` puts the input, `place_output` the output given to the first call; a second call
 // allocates its output.
-void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = as_is,
-                      Place place_output = as_is) {
+void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = on_device,
+                      Place place_output = on_device) {
   for (auto dtype : kDtypes) {
     for (auto n : sizes) {
       auto in = place(input_of(c.rank(), dtype, n));
@@ -102,7 +107,7 @@ void check_all_gather(ztrain::Communicator& c, const std::vector<int64_t>& sizes
   }
 }
 
-void check_reduce_scatter(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = as_is) {
+void check_reduce_scatter(ztrain::Communicator& c, const std::vector<int64_t>& sizes, Place place = on_device) {
   for (auto dtype : kDtypes) {
     for (auto n : sizes) {
       for (auto op : ops_for(dtype)) {
@@ -146,6 +151,7 @@ TEST(Communicator, MpiCollectivesAtLargeSizes) {
 }
 
 TEST(Communicator, HostSharedBuffersAreReadInPlace) {
+  SKIP_UNLESS_ON_THE_HOST();
   // From the first byte on, so that every size below takes the host-shared path; 1 << 20
   // elements exercise the streaming kernels.
   auto c_owner = ztrain::make_world_communicator("mpi", {.name = "shared", .timeout = world().timeout(),
@@ -154,7 +160,7 @@ TEST(Communicator, HostSharedBuffersAreReadInPlace) {
   const std::vector<int64_t> sizes = {0, 1, 2, 3, 17, 1023, 2 * 65536 + 1, 1 << 20};
   check_all_reduce(c, sizes, host_shared);
   check_all_gather(c, sizes, host_shared);                 // members read the shared inputs
-  check_all_gather(c, sizes, as_is, host_shared);          // members write into the shared outputs
+  check_all_gather(c, sizes, on_device, host_shared);          // members write into the shared outputs
   check_all_gather(c, sizes, host_shared, host_shared);
   check_reduce_scatter(c, sizes, host_shared);
   // Every call with a shared buffer and data took the path, on every rank (none at all on one
@@ -164,11 +170,12 @@ TEST(Communicator, HostSharedBuffersAreReadInPlace) {
 }
 
 TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
+  SKIP_UNLESS_ON_THE_HOST();
   auto c_owner = ztrain::make_world_communicator("mpi", {.name = "mixed", .timeout = world().timeout(),
                                                     .ring_threshold_bytes = 1});
   auto& c = *c_owner;
   // Rank 0's buffers are private: every rank must take the transport, and agree on it.
-  Place place = c.rank() == 0 ? as_is : host_shared;
+  Place place = c.rank() == 0 ? on_device : host_shared;
   check_all_reduce(c, {1023}, place);
   check_all_gather(c, {1023}, place, place);
   check_reduce_scatter(c, {1023}, place);
@@ -182,6 +189,7 @@ TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
 }
 
 TEST(Communicator, HostSharedAllGatherInPlace) {
+  SKIP_UNLESS_ON_THE_HOST();
   auto& c = world();
   const int64_t n = 1 << 18;  // 1 MiB per rank: above the default threshold
   auto out = ztrain::host_shared_empty({n * c.size()}, torch::kFloat32).fill_(-1);
@@ -201,10 +209,10 @@ TEST(Communicator, SixteenBitSumsRoundLikeTheirDtype) {
   auto& c = world();
   for (auto [dtype, tol] : {std::pair{torch::kBFloat16, 2e-2}, std::pair{torch::kFloat16, 3e-3}}) {
     for (auto n : kSizes) {
-      auto t = random_of(c.rank(), dtype, n);
+      auto t = random_of(c.rank(), dtype, n).to(device());
       c.all_reduce(t, ReduceOp::kSum);
       auto exact = reference_reduce(dtype, n, ReduceOp::kSum, c.size(), random_of).to(torch::kFloat64);
-      auto err = (t.to(torch::kFloat64) - exact).abs();
+      auto err = (t.to(torch::kCPU, torch::kFloat64) - exact).abs();
       auto scale = torch::zeros_like(exact);
       for (int r = 0; r < c.size(); ++r) scale += random_of(r, dtype, n).to(torch::kFloat64).abs();
       EXPECT_TRUE((err <= tol * scale + 1e-6).all().item<bool>()) << label(dtype, n);
@@ -215,7 +223,7 @@ TEST(Communicator, SixteenBitSumsRoundLikeTheirDtype) {
 TEST(Communicator, AllGatherInPlaceFromOwnSlice) {
   auto& c = world();
   const int64_t n = 1023;
-  auto out = torch::full({n * c.size()}, -1.0f);
+  auto out = torch::full({n * c.size()}, -1.0f, device());
   auto own = out.narrow(0, c.rank() * n, n);
   own.copy_(input_of(c.rank(), torch::kFloat32, n));
   c.all_gather(own, out);
@@ -226,7 +234,7 @@ TEST(Communicator, AllGatherInPlaceFromOwnSlice) {
 
 TEST(Communicator, ReduceScatterOfFlagsIsLogical) {
   auto& c = world();
-  auto flags = input_of(c.rank(), torch::kBool, 17 * c.size());
+  auto flags = on_device(input_of(c.rank(), torch::kBool, 17 * c.size()));
   auto any = c.reduce_scatter(flags, ReduceOp::kMax);
   auto expected = input_of(0, torch::kBool, 17 * c.size());
   for (int r = 1; r < c.size(); ++r) expected = expected.logical_or(input_of(r, torch::kBool, 17 * c.size()));
@@ -238,7 +246,7 @@ TEST(Communicator, BroadcastFromEveryRoot) {
   for (auto dtype : kDtypes) {
     for (auto n : kSizes) {
       for (int root = 0; root < c.size(); ++root) {
-        auto t = input_of(c.rank(), dtype, n);
+        auto t = on_device(input_of(c.rank(), dtype, n));
         c.broadcast(t, root);
         EXPECT_TRUE(tensors_equal(t, input_of(root, dtype, n))) << label(dtype, n) << " root " << root;
       }
@@ -269,9 +277,9 @@ TEST(Communicator, BytesAndObjects) {
 TEST(Communicator, StatsCountBytesHandedToTheTransport) {
   auto& c = world();
   auto comm = c.dup("stats");
-  comm->all_reduce(torch::zeros({100}));
-  comm->all_gather(torch::zeros({10}));
-  comm->reduce_scatter(torch::zeros({8 * comm->size()}, torch::kFloat64));
+  comm->all_reduce(torch::zeros({100}, device()));
+  comm->all_gather(torch::zeros({10}, device()));
+  comm->reduce_scatter(torch::zeros({8 * comm->size()}, torch::dtype(torch::kFloat64).device(device())));
   auto s = comm->stats();
   EXPECT_EQ(s.all_reduce_bytes, 400);
   EXPECT_EQ(s.all_gather_bytes, 40);
@@ -286,7 +294,7 @@ TEST(Communicator, SplitFormsGroupsByColor) {
   auto half = c.split(c.rank() % 2, c.rank(), "parity");
   EXPECT_EQ(half->size(), (c.size() + 1 - c.rank() % 2) / 2);
   EXPECT_EQ(half->world_rank_of(half->rank()), c.rank());
-  auto t = torch::tensor({static_cast<int64_t>(c.rank())});
+  auto t = torch::tensor({static_cast<int64_t>(c.rank())}, device());
   half->all_reduce(t);
   int64_t expected = 0;
   for (int r = c.rank() % 2; r < c.size(); r += 2) expected += r;
@@ -307,7 +315,7 @@ TEST(Communicator, EveryCollectiveFromPointToPointAlone) {
   check_reduce_scatter(c, sizes);
   for (auto dtype : kDtypes) {
     for (int root = 0; root < c.size(); ++root) {
-      auto t = input_of(c.rank(), dtype, 1023);
+      auto t = on_device(input_of(c.rank(), dtype, 1023));
       c.broadcast(t, root);
       EXPECT_TRUE(tensors_equal(t, input_of(root, dtype, 1023))) << label(dtype, 1023) << " root " << root;
     }
@@ -342,6 +350,10 @@ TEST(CommunicatorErrors, WrongOutputSizeIsRejected) {
     msg = error_message([&] { c.reduce_scatter(torch::zeros({5 * c.size() + 1})); });
     EXPECT_NE(msg.find("does not divide"), std::string::npos) << msg;
   }
+  if (device().type() != torch::kCPU) {
+    msg = error_message([&] { c.all_gather(torch::zeros({5}, device()), torch::zeros({5 * c.size()})); });
+    EXPECT_NE(msg.find("but output on cpu"), std::string::npos) << msg;
+  }
 }
 
 TEST(CommunicatorErrors, UnsupportedRequestsAreRejected) {
@@ -357,7 +369,7 @@ TEST(CommunicatorErrors, UnsupportedRequestsAreRejected) {
   msg = error_message([&] { c.all_reduce(torch::Tensor()); });
   EXPECT_NE(msg.find("undefined"), std::string::npos) << msg;
   // The communicator is still usable after rejected input.
-  auto t = torch::ones({2});
+  auto t = torch::ones({2}, device());
   c.all_reduce(t);
   EXPECT_EQ(t[0].item<float>(), static_cast<float>(c.size()));
 }
