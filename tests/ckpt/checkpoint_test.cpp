@@ -1,4 +1,6 @@
-// Training checkpoints: exact resume, atomic publication, corruption detected by name.
+// Training checkpoints: exact resume, atomic publication, corruption detected by name. The model
+// trains on the runtime's device (a CUDA device in the .cuda variants, whose dropout masks come
+// from the device's generator: a resume restores it).
 
 #include "../../src/ckpt/sha256.h"
 #include "../zero/zero_model.h"
@@ -34,7 +36,7 @@ struct Trainer {
   void train(int n) {
     const int dp = runtime().dp().size(), r = runtime().dp().rank(), local = 4 / dp;
     for (int i = 0; i < n; ++i, ++step) {
-      auto tokens = batch_tokens(step, 4, 8, 32).slice(0, r * local, (r + 1) * local);
+      auto tokens = batch_tokens(step, 4, 8, 32).slice(0, r * local, (r + 1) * local).to(runtime().device());
       mgr.zero_grad();
       mgr.backward(lm_loss(model(tokens), tokens));  // with dropout: the generator state matters
       mgr.step();

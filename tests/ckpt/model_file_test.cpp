@@ -1,5 +1,7 @@
 // Model files: saved from sharded models at any level and world size, loaded at any level and
-// world size and into plain libtorch models, with clear errors for files that do not fit.
+// world size and into plain libtorch models, with clear errors for files that do not fit. The
+// sharded models live on the runtime's device (a CUDA device in the .cuda variants); files and
+// the plain libtorch model are on the host.
 
 #include "../zero/zero_model.h"
 #include "test_util.h"
@@ -25,7 +27,7 @@ ZeroModel trained_model(int level) {
   ZeroModel model(c, BlockOptions{.zero_level = level, .use_checkpoint = false}, level);
   init_parameters(*model, {.seed = 3});
   torch::optim::SGD opt(model->parameters(), 0.1);
-  auto tokens = batch_tokens(runtime().dp().rank(), 2, 6, c.vocab);
+  auto tokens = batch_tokens(runtime().dp().rank(), 2, 6, c.vocab).to(runtime().device());
   lm_loss(model(tokens), tokens).backward();
   opt.step();
   return model;
@@ -36,7 +38,7 @@ void expect_same(const std::vector<std::pair<std::string, torch::Tensor>>& a,
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_EQ(a[i].first, b[i].first);
-    EXPECT_TRUE(a[i].second.equal(b[i].second)) << a[i].first;
+    EXPECT_TRUE(a[i].second.cpu().equal(b[i].second.cpu())) << a[i].first;
   }
 }
 
@@ -63,7 +65,7 @@ TEST_P(ModelFile, RoundTripsAcrossLevelsAndIntoAPlainModel) {
   expect_same(plain_params, want);
 
   // Training goes on from the loaded values exactly as from the saved ones.
-  auto tokens = batch_tokens(7, 2, 6, 32);
+  auto tokens = batch_tokens(7, 2, 6, 32).to(runtime().device());
   EXPECT_TRUE(other(tokens).equal(model(tokens)));
   synchronize();
   if (runtime().rank() == 0) std::filesystem::remove(path);
