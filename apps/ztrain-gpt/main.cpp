@@ -454,8 +454,10 @@ int train(TrainArgs a) {
   }
   if (rt.rank() == 0) {
     fs::create_directories(a.out);
-    if (tokenizer_name != "bytes" && !fs::equivalent(tokenizer->path(), a.out + "/" + tokenizer_name)) {
-      fs::copy_file(tokenizer->path(), a.out + "/" + tokenizer_name, fs::copy_options::overwrite_existing);
+    // equivalent() reports an error when either file is missing (LWG 2937, GCC 13 on).
+    const auto beside = a.out + "/" + tokenizer_name;
+    if (tokenizer_name != "bytes" && (!fs::exists(beside) || !fs::equivalent(tokenizer->path(), beside))) {
+      fs::copy_file(tokenizer->path(), beside, fs::copy_options::overwrite_existing);
     }
   }
   zt::synchronize();
@@ -825,8 +827,13 @@ int main(int argc, char** argv) {
     if (*tok_train) return tokenizer_train(tt);
     if (*tok_encode) return tokenizer_encode(tokenizer_path, input, output);
     if (*tok_decode) return tokenizer_decode(tokenizer_path, input, output);
+  } catch (const zt::CommError& e) {
+    std::cerr << "ztrain-gpt: " << e.what() << std::endl;  // every rank meets its own
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "ztrain-gpt: " << e.what() << std::endl;
+    // Perhaps this rank's alone: the others would wait for it until their deadline.
+    if (zt::is_initialized() && zt::world_size() > 1) zt::abort_distributed(1);
     return 1;
   }
   return 0;

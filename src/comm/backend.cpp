@@ -14,11 +14,13 @@ struct Backend {
   /// Starts the backend if needed and begins creating this process's world transport.
   std::unique_ptr<PendingTransport> (*world)();
   void (*shutdown)();
+  /// Ends every process of the job, if the backend is running (returns otherwise).
+  void (*abort)(int exit_code);
 };
 
 // The backends of this build. A constant table: nothing registers at run time.
 constexpr Backend kBackends[] = {
-    {"mpi", &detail::mpi_world, &detail::shutdown_mpi},
+    {"mpi", &detail::mpi_world, &detail::shutdown_mpi, &detail::abort_mpi},
 };
 
 }  // namespace
@@ -61,6 +63,10 @@ std::unique_ptr<Communicator> make_world_communicator(const std::string& backend
 
 void shutdown_communicator_backends() {
   for (const auto& b : kBackends) b.shutdown();
+}
+
+void abort_communicator_backends(int exit_code) {
+  for (const auto& b : kBackends) b.abort(exit_code);
 }
 
 }  // namespace ztrain

@@ -13,7 +13,9 @@
 
 #include <thread>
 
+#include <cstdio>
 #include <cstdlib>
+#include <iostream>
 #include <mutex>
 #include <string>
 
@@ -177,6 +179,14 @@ void finalize_distributed() {
   std::lock_guard<std::mutex> lock(g_mutex);
   g_runtime.reset();
   shutdown_communicator_backends();
+}
+
+void abort_distributed(int exit_code) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  abort_communicator_backends(exit_code);
+  std::_Exit(exit_code);
 }
 
 int rank() { return runtime().rank(); }

@@ -69,6 +69,17 @@ ZTRAIN_TIMEOUT_S=1 "${mp[@]}" -np 2 "$gpt" train --data "$work/big" --tokenizer 
   || fail "tokenizing a large corpus failed: $(tail -5 "$work/big.log")"
 echo "tokenized $(du -sh "$work/big" | cut -f1) while a rank waited with a 1 s deadline: $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
 
+# An error one rank meets alone (rank 0 cannot make --out, a file) ends the whole job at once,
+# not when the other rank's 120 s deadline runs out.
+touch "$work/a_file"
+t0=$(date +%s)
+if ZTRAIN_TIMEOUT_S=120 "${mp[@]}" -np 2 "$gpt" train --data "$work/corpus.txt" --preset tiny --seq 32 --batch 2 \
+  --steps 1 --out "$work/a_file" > "$work/alone.log" 2>&1; then
+  fail "--out naming a file accepted"
+fi
+(( $(date +%s) - t0 < 60 )) || fail "an error on rank 0 alone left the job running for $(( $(date +%s) - t0 )) s"
+grep -q "a_file" "$work/alone.log" || fail "the --out error does not name it: $(cat "$work/alone.log")"
+
 if "$gpt" train --data "$work/missing.txt" --preset tiny --steps 1 > "$work/err1.log" 2>&1; then fail "missing data accepted"; fi
 grep -q "missing.txt" "$work/err1.log" || fail "the missing-data error does not name the file: $(cat "$work/err1.log")"
 if "$gpt" train --data "$work/corpus.txt" --preset tiny --zero-level 5 > "$work/err2.log" 2>&1; then fail "zero level 5 accepted"; fi

@@ -35,4 +35,8 @@ std::unique_ptr<Communicator> make_world_communicator(const std::string& backend
 /// at finalize_distributed() or process exit.
 void shutdown_communicator_backends();
 
+/// Ends every process of the job now with `exit_code` through the running backends (MPI_Abort:
+/// the launcher ends the other ranks); returns if none is running. Not collective.
+void abort_communicator_backends(int exit_code);
+
 }  // namespace ztrain

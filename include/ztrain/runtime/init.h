@@ -138,6 +138,14 @@ std::shared_ptr<ParallelContext> context_or_default(const std::shared_ptr<Parall
 /// exit otherwise. MPI cannot be started again afterwards.
 void finalize_distributed();
 
+/// Ends every process of the job now with `exit_code`, from any one rank; never returns. For an
+/// error this rank met alone (a file it could not write, a bad value only it read): the other
+/// ranks would wait for it in their next collective until their deadline, and a normal exit
+/// would wait for them in MPI_Finalize. Under MPI the launcher ends the others (MPI_Abort).
+/// Without a running backend the process exits. Streams are flushed first. A communication
+/// failure needs no abort: every rank meets its own within the deadline.
+[[noreturn]] void abort_distributed(int exit_code);
+
 /// World rank and size of this process (requires init_distributed).
 int rank();
 int world_size();

@@ -17,5 +17,8 @@ void require_mpi_threads();
 std::unique_ptr<PendingTransport> mpi_world();
 /// MPI_Finalize if ztrain started MPI, unless a communication failure makes it unsafe.
 void shutdown_mpi();
+/// MPI_Abort over MPI_COMM_WORLD when MPI is running (the launcher ends every process); returns
+/// otherwise.
+void abort_mpi(int exit_code);
 
 }  // namespace ztrain::detail

@@ -359,6 +359,13 @@ void shutdown_mpi() {
   g_started_by_us = false;
 }
 
+void abort_mpi(int exit_code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
+}
+
 }  // namespace detail
 
 }  // namespace ztrain
