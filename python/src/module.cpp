@@ -1,0 +1,114 @@
+// ztrain._C: the native side of the Python package (python/ztrain). Ordinary torch.Tensors
+// cross the boundary as the same tensors (no copy); ztrain::Error and ztrain::CommError arrive
+// as ztrain.Error and ztrain.CommError with the native message; blocking calls release the GIL.
+#include <ztrain/optim/adam.h>
+#include <ztrain/runtime/device.h>
+#include <ztrain/runtime/init.h>
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace py = pybind11;
+namespace zt = ztrain;
+
+namespace {
+
+using Hyper = std::tuple<double, double, double, double, double>;  // lr, beta1, beta2, eps, weight_decay
+
+zt::optim::AdamOptions adam_options(const Hyper& h, bool decoupled) {
+  const auto& [lr, beta1, beta2, eps, weight_decay] = h;
+  return zt::optim::AdamOptions(lr)
+      .betas({beta1, beta2})
+      .eps(eps)
+      .weight_decay(weight_decay)
+      .decoupled_weight_decay(decoupled);
+}
+
+/// The native fused Adam/AdamW over the groups of a Python torch.optim.Optimizer.
+class NativeAdam {
+ public:
+  NativeAdam(const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>& groups, bool decoupled,
+             std::optional<int> num_threads)
+      : decoupled_(decoupled), opt_(make(groups, decoupled, num_threads)) {}
+
+  void set_options(size_t group, const Hyper& h) {
+    ZTRAIN_CHECK(group < opt_.param_groups().size(), "optimizer group ", group, " does not exist (", opt_.param_groups().size(),
+                 " groups)");
+    static_cast<zt::optim::AdamOptions&>(opt_.param_groups()[group].options()) = adam_options(h, decoupled_);
+  }
+  void step() { opt_.step(); }
+
+  /// (step, exp_avg, exp_avg_sq, master or None), or None before the parameter's first step.
+  py::object state(const torch::Tensor& param) {
+    const auto* s = opt_.state_of(param);
+    if (!s) return py::none();
+    return py::make_tuple(s->step, s->exp_avg, s->exp_avg_sq,
+                          s->master.defined() ? py::cast(s->master) : py::object(py::none()));
+  }
+  void set_state(const torch::Tensor& param, int64_t step, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+                 std::optional<torch::Tensor> master) {
+    opt_.set_state(param, {.step = step, .exp_avg = std::move(exp_avg), .exp_avg_sq = std::move(exp_avg_sq),
+                           .master = master ? *master : torch::Tensor()});
+  }
+  std::string kernel() const { return zt::optim::to_string(opt_.kernel()); }
+
+ private:
+  static zt::optim::AdamW make(const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>& groups, bool decoupled,
+                               std::optional<int> num_threads) {
+    ZTRAIN_CHECK(!groups.empty(), "the optimizer got no parameter groups");
+    std::vector<torch::optim::OptimizerParamGroup> native;
+    for (const auto& [params, h] : groups) {
+      native.emplace_back(params, std::make_unique<zt::optim::AdamOptions>(adam_options(h, decoupled)));
+    }
+    return zt::optim::AdamW(std::move(native), adam_options(groups.front().second, decoupled),
+                            {.num_threads = num_threads});
+  }
+
+  bool decoupled_;
+  zt::optim::AdamW opt_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ztrain's native engine (the Python API is the ztrain package)";
+  auto error = py::register_exception<zt::Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<zt::CommError>(m, "CommError", error.ptr());  // tried first: registered last
+
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def(
+      "init_distributed",
+      [](uint64_t seed, int tp_size, int pp_size, std::optional<double> timeout, std::optional<std::string> device,
+         std::optional<int> threads) {
+        zt::InitOptions o{.seed = seed, .tp_size = tp_size, .pp_size = pp_size, .threads = threads};
+        if (timeout) {
+          ZTRAIN_CHECK(*timeout > 0, "init_distributed: timeout must be positive seconds, got ", *timeout);
+          o.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout * 1000));
+        }
+        if (device) o.device = zt::parse_device(*device, "init_distributed(device=...)");
+        zt::init_distributed(o);
+      },
+      py::arg("seed"), py::arg("tp_size"), py::arg("pp_size"), py::arg("timeout"), py::arg("device"),
+      py::arg("threads"), release());
+  m.def("is_initialized", &zt::is_initialized);
+  m.def("finalize_distributed", &zt::finalize_distributed, release());
+  m.def("rank", [] { return zt::rank(); });
+  m.def("world_size", [] { return zt::world_size(); });
+  m.def("local_rank", [] { return zt::runtime().local_rank(); });
+  m.def("device", [] { return zt::runtime().device().str(); });
+  m.def("synchronize", &zt::synchronize, release());
+  m.def("sum_loss", [](const torch::Tensor& loss) { return zt::sum_loss(loss); }, release());
+  m.def("abort_distributed", [](int code) { zt::abort_distributed(code); });
+
+  py::class_<NativeAdam>(m, "_Adam")
+      .def(py::init<const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>&, bool, std::optional<int>>())
+      .def("set_options", &NativeAdam::set_options)
+      .def("step", &NativeAdam::step, release())
+      .def("state", &NativeAdam::state)
+      .def("set_state", &NativeAdam::set_state)
+      .def_property_readonly("kernel", &NativeAdam::kernel);
+}

@@ -1,0 +1,78 @@
+"""ztrain from Python: the native engine on ordinary torch tensors and modules.
+
+    import torch, ztrain
+    ztrain.init_distributed(seed=0)             # mpirun -np 4 python3 train.py
+    opt = ztrain.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    ...
+    loss.backward(); opt.step()
+    ztrain.print_rank("loss", ztrain.sum_loss(loss).item())
+
+Errors of the native side arrive as ztrain.Error (a RuntimeError) with the native message;
+communication failures as ztrain.CommError (an Error) naming the rank, the operation and the peer.
+"""
+import atexit
+import sys
+
+import torch  # loads libtorch before the extension that links it
+
+from . import _C
+from ._C import CommError, Error
+from . import optim
+
+__all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
+           "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim"]
+
+
+def init_distributed(seed=0, tp_size=1, pp_size=1, timeout=None, device=None, threads=None):
+    """Starts the runtime over every process of the job (collective): MPI, the parallel
+    layout (tp × pp × dp), this rank's device ("cpu", "cuda", "cuda:N"; default ZTRAIN_DEVICE,
+    else the CPU), the deadline of every communication wait in seconds (default
+    ZTRAIN_TIMEOUT_S, else 300) and the intra-op threads (default OMP_NUM_THREADS, else the
+    host's cores divided by its ranks). Seeds torch's generators with `seed`.
+
+    An exception no one catches on one rank ends the whole job (the others would wait for it
+    until their deadline); the runtime is finalised at exit."""
+    _C.init_distributed(seed, tp_size, pp_size, timeout, device, threads)
+    atexit.register(_finalize_at_exit)
+    if _C.world_size() > 1:
+        sys.excepthook = _abort_on_uncaught(sys.excepthook)
+
+
+def _finalize_at_exit():
+    if _C.is_initialized():
+        _C.finalize_distributed()
+
+
+def _abort_on_uncaught(previous):
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        # A communication failure reaches every rank by itself within its deadline.
+        if not issubclass(kind, CommError) and _C.is_initialized():
+            sys.stderr.flush()
+            _C.abort_distributed(1)
+    return hook
+
+
+is_initialized = _C.is_initialized
+finalize_distributed = _C.finalize_distributed
+rank = _C.rank
+world_size = _C.world_size
+local_rank = _C.local_rank
+synchronize = _C.synchronize
+
+
+def device():
+    """This rank's device, as a torch.device."""
+    return torch.device(_C.device())
+
+
+def sum_loss(loss):
+    """The mean of a per-rank loss over the data-parallel group (a mean, as BMTrain's sum_loss
+    gives, despite the name): detached, on every rank."""
+    return _C.sum_loss(loss)
+
+
+def print_rank(*args, rank=0, **kwargs):
+    """print() on one rank only (rank 0 by default)."""
+    if _C.rank() == rank:
+        print(*args, **kwargs, flush=True)
