@@ -48,6 +48,7 @@ def _abort_on_uncaught(previous):
         previous(kind, value, traceback)
         # A communication failure reaches every rank by itself within its deadline.
         if not issubclass(kind, CommError) and _C.is_initialized():
+            sys.stdout.flush()
             sys.stderr.flush()
             _C.abort_distributed(1)
     return hook
