@@ -4,6 +4,7 @@
 #include <ztrain/optim/adam.h>
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/zero/sharded_module.h>
 
 #include <torch/extension.h>
 
@@ -72,6 +73,55 @@ class NativeAdam {
   zt::optim::AdamW opt_;
 };
 
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+/// A C++ module tree holding `named` (the Python module's parameters, the same tensors) under
+/// the same dotted names, which the ZeRO engine then points into its flat buffers: what it does
+/// to them, the Python module's parameters see.
+std::shared_ptr<torch::nn::Module> holder_of(const NamedTensors& named) {
+  auto root = std::make_shared<torch::nn::Module>("Python module");
+  for (const auto& [name, tensor] : named) {
+    torch::nn::Module* at = root.get();
+    size_t begin = 0;
+    for (size_t dot = name.find('.'); dot != std::string::npos; begin = dot + 1, dot = name.find('.', begin)) {
+      const auto part = name.substr(begin, dot - begin);
+      auto children = at->named_children();
+      at = children.contains(part) ? children[part].get() : at->register_module(part, std::make_shared<torch::nn::Module>()).get();
+    }
+    at->register_parameter(name.substr(begin), tensor, tensor.requires_grad());
+  }
+  return root;
+}
+
+/// A Python module under the ZeRO protocol (ShardedModule): its forward is a Python callable
+/// over the tensors, run again in backward under recomputation.
+class PyBlock : public zt::ShardedModule {
+ public:
+  PyBlock(const NamedTensors& named, zt::BlockOptions options) : ShardedModule(holder_of(named), options, "Block") {}
+
+  std::vector<torch::Tensor> forward(const py::function& fn, const std::vector<torch::Tensor>& inputs) {
+    // The engine keeps the callable for the backward (recomputation); whoever drops it last
+    // may hold no GIL.
+    std::shared_ptr<py::function> call(new py::function(fn), [](py::function* f) {
+      py::gil_scoped_acquire gil;
+      delete f;
+    });
+    Fn run_python = [call](const std::vector<torch::Tensor>& in) {
+      py::gil_scoped_acquire gil;
+      return (*call)(in).cast<std::vector<torch::Tensor>>();
+    };
+    py::gil_scoped_release release;
+    return run(run_python, inputs);
+  }
+
+  /// What the optimizer updates: one tensor per (dtype, requires_grad) group.
+  std::vector<torch::Tensor> shards() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& g : groups()) out.push_back(g.shard);
+    return out;
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -103,6 +153,19 @@ PYBIND11_MODULE(_C, m) {
   m.def("synchronize", &zt::synchronize, release());
   m.def("sum_loss", [](const torch::Tensor& loss) { return zt::sum_loss(loss); }, release());
   m.def("abort_distributed", [](int code) { zt::abort_distributed(code); });
+
+  py::class_<PyBlock, std::shared_ptr<PyBlock>>(m, "_Block")
+      .def(py::init([](const NamedTensors& named, int zero_level, bool use_checkpoint) {
+             return std::make_shared<PyBlock>(named, zt::BlockOptions{.zero_level = zero_level,
+                                                                       .use_checkpoint = use_checkpoint});
+           }),
+           release())
+      .def("forward", &PyBlock::forward)
+      .def("shards", &PyBlock::shards)
+      .def("train", [](PyBlock& b, bool on) { b.train(on); })
+      .def("gathered_parameters", [](PyBlock& b) { return zt::gathered_parameters(b); }, release())
+      .def("parameter_bytes", &PyBlock::parameter_bytes)
+      .def("gathered_bytes", &PyBlock::gathered_bytes);
 
   py::class_<NativeAdam>(m, "_Adam")
       .def(py::init<const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>&, bool, std::optional<int>>())

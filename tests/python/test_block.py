@@ -1,0 +1,127 @@
+"""ztrain.Block over Python modules against single-process PyTorch: levels 0-3, with and without
+recomputation, at every world size it is launched with (ZTRAIN_TEST_WORLD_SIZE ranks)."""
+import unittest
+
+import torch
+
+import ztrain
+
+WIDTH, LAYERS, BATCH, STEPS = 16, 3, 12, 4
+
+
+class Layer(torch.nn.Module):
+    """A residual MLP with a non-tensor argument and a second output, as transformer layers have."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(WIDTH, 4 * WIDTH)
+        self.fc2 = torch.nn.Linear(4 * WIDTH, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+
+    def forward(self, x, scale):
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + scale * h, h.pow(2).mean()
+
+
+def layers(seed):
+    torch.manual_seed(seed)
+    return [Layer() for _ in range(LAYERS)]
+
+
+def batches():
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(BATCH, WIDTH, generator=gen) for _ in range(STEPS)]
+
+
+def step_loss(stack, x):
+    aux = 0
+    for layer in stack:
+        x, a = layer(x, 0.5)
+        aux = aux + a
+    return x.pow(2).mean() + 0.1 * aux
+
+
+def train(stack, params, x_of):
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    losses = []
+    for x in batches():
+        opt.zero_grad()
+        loss = step_loss(stack, x_of(x))
+        loss.backward()
+        opt.step()
+        losses.append(ztrain.sum_loss(loss).item())
+    return losses
+
+
+class BlockParity(unittest.TestCase):
+    def test_every_level_equals_one_process(self):
+        ref = layers(0)
+        want_losses = train(ref, [p for layer in ref for p in layer.parameters()], lambda x: x)
+        n, r = ztrain.world_size(), ztrain.rank()
+        self.assertEqual(BATCH % n, 0)
+        local = BATCH // n
+        for level in range(4):
+            for recompute in (False, True):
+                with self.subTest(level=level, recompute=recompute):
+                    # Every rank builds other weights: the blocks start from dp rank 0's.
+                    blocks = [ztrain.Block(layer, zero_level=level, use_checkpoint=recompute)
+                              for layer in layers(0 if r == 0 else 100 + r)]
+                    params = [p for b in blocks for p in b.parameters()]
+                    losses = train(blocks, params, lambda x: x[r * local:(r + 1) * local])
+                    # The mean over ranks of the per-rank means is the full batch's mean.
+                    for got, want in zip(losses, want_losses):
+                        self.assertAlmostEqual(got, want, delta=1e-5 * abs(want))
+                    for block, layer in zip(blocks, ref):
+                        full = block.gathered_parameters()
+                        for name, p in layer.named_parameters():
+                            torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+                    # Level 0 updates the whole (aligned) buffers, levels 1-3 this rank's 1/n of them.
+                    kept = sum(p.numel() for p in params)
+                    if level == 0:
+                        whole = kept
+                        self.assertGreaterEqual(whole, sum(p.numel() for layer in ref for p in layer.parameters()))
+                    else:
+                        self.assertEqual(kept * n, whole)
+
+    def test_recomputation_replays_the_dropout_masks(self):
+        def dropped():
+            torch.manual_seed(3)
+            return torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Dropout(0.5), torch.nn.Linear(WIDTH, WIDTH))
+        grads = []
+        for recompute in (False, True):
+            block = ztrain.Block(dropped(), zero_level=2, use_checkpoint=recompute)
+            torch.manual_seed(11)
+            x = torch.randn(4, WIDTH)
+            block(x).pow(2).sum().backward()
+            # Another draw between forward and backward would shift an unreplayed mask.
+            torch.rand(100)
+            grads.append([p.grad.clone() for p in block.parameters()])
+        for kept, recomputed in zip(*grads):
+            self.assertTrue(torch.equal(kept, recomputed))
+
+    def test_the_module_sees_the_engine_values(self):
+        layer = layers(0)[0]
+        weight = layer.fc1.weight
+        block = ztrain.Block(layer, zero_level=1)
+        self.assertIs(layer.fc1.weight, weight)  # the same parameter object
+        self.assertTrue(torch.equal(block.gathered_parameters()["fc1.weight"], weight.detach()))
+
+    def test_bad_output_is_named(self):
+        class Bad(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(2, 2)
+
+            def forward(self, x):
+                return {"y": self.fc(x)}
+
+        block = ztrain.Block(Bad(), zero_level=0)
+        with self.assertRaisesRegex(ztrain.Error, "must return a tensor or a tuple of tensors"):
+            block(torch.ones(1, 2))
+        with self.assertRaisesRegex(ztrain.Error, "pass tensors positionally"):
+            block(x=torch.ones(1, 2))
+
+
+if __name__ == "__main__":
+    ztrain.init_distributed(seed=0)
+    unittest.main()
