@@ -166,6 +166,21 @@ PYBIND11_MODULE(_C, m) {
       .def("gathered_parameters", [](PyBlock& b) { return zt::gathered_parameters(b); }, release())
       .def("parameter_bytes", &PyBlock::parameter_bytes)
       .def("gathered_bytes", &PyBlock::gathered_bytes);
+  m.def(
+      "_link_blocks",
+      [](const std::vector<std::shared_ptr<PyBlock>>& blocks, int depth) {
+        ZTRAIN_CHECK(depth >= 0, "BlockList: prefetch_depth must be >= 0, got ", depth);
+        const int n = static_cast<int>(blocks.size());
+        for (int i = 0; i < n; ++i) {  // as the C++ BlockList links its blocks
+          std::vector<zt::ShardedModule*> ahead, behind;
+          for (int d = 1; d <= depth; ++d) {
+            if (i + d < n) ahead.push_back(blocks[i + d].get());
+            if (i - d >= 0) behind.push_back(blocks[i - d].get());
+          }
+          blocks[i]->set_prefetch_neighbours(std::move(ahead), std::move(behind));
+        }
+      },
+      py::arg("blocks"), py::arg("depth"));
 
   py::class_<NativeAdam>(m, "_Adam")
       .def(py::init<const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>&, bool, std::optional<int>>())

@@ -18,10 +18,10 @@ import torch  # loads libtorch before the extension that links it
 from . import _C
 from ._C import CommError, Error
 from . import optim
-from .block import Block
+from .block import Block, BlockList
 
 __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
-           "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block"]
+           "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block", "BlockList"]
 
 
 def init_distributed(seed=0, tp_size=1, pp_size=1, timeout=None, device=None, threads=None):

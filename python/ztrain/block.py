@@ -66,3 +66,50 @@ class Block(torch.nn.Module):
     def parameter_bytes(self):
         """Bytes this rank keeps for the parameters between steps."""
         return self._native.parameter_bytes()
+
+    def gathered_bytes(self):
+        """Bytes of full parameters now allocated (gathered or being gathered)."""
+        return self._native.gathered_bytes()
+
+
+class BlockList(torch.nn.Module):
+    """Blocks run in order, the next ones' parameters gathered while the current one computes
+    (the C++ BlockList): in forward, block i starts gathering blocks i+1 … i+prefetch_depth
+    before it computes, in backward blocks i−1 … i−prefetch_depth, so at level 3 at most
+    1 + prefetch_depth blocks hold their full parameters at a time.
+
+        layers = ztrain.BlockList([Layer() for _ in range(12)], zero_level=3)   # collective
+        h = layers(x, mask)            # x = block(x, mask) through every block
+        for block in layers: ...       # or block by block
+
+    Items that are Blocks already are taken as they are (with their own options); modules are
+    wrapped with the given ones. Blocks are children "0", "1", …, as in a torch.nn.ModuleList.
+    """
+
+    def __init__(self, modules, zero_level=3, use_checkpoint=True, prefetch_depth=1):
+        super().__init__()
+        blocks = [m if isinstance(m, Block) else Block(m, zero_level, use_checkpoint) for m in modules]
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise _C.Error("BlockList: a block appears twice; build one module per layer")
+        for index, block in enumerate(blocks):
+            self.add_module(str(index), block)
+        _C._link_blocks([b._native for b in blocks], prefetch_depth)
+        self.prefetch_depth = prefetch_depth
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __getitem__(self, index):
+        return list(self._modules.values())[index]
+
+    def forward(self, x, *extra, **kwargs):
+        """x = block(x, *extra, **kwargs) through every block; each returns one tensor."""
+        for block in self:
+            x = block(x, *extra, **kwargs)
+            if not isinstance(x, torch.Tensor):
+                raise _C.Error("BlockList: each block must return one tensor to pass on; loop over the blocks "
+                               "for others")
+        return x

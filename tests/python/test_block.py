@@ -41,6 +41,12 @@ def step_loss(stack, x):
     return x.pow(2).mean() + 0.1 * aux
 
 
+def step_main(stack, x):
+    for layer in stack:
+        x = layer(x, 0.5)[0]
+    return x
+
+
 def train(stack, params, x_of):
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     losses = []
@@ -82,6 +88,58 @@ class BlockParity(unittest.TestCase):
                         self.assertGreaterEqual(whole, sum(p.numel() for layer in ref for p in layer.parameters()))
                     else:
                         self.assertEqual(kept * n, whole)
+
+    def test_a_block_list_equals_one_process(self):
+        n, r = ztrain.world_size(), ztrain.rank()
+        local = BATCH // n
+
+        class Stack(torch.nn.Module):  # the list's forward takes one output: keep the main one
+            def __init__(self, layer):
+                super().__init__()
+                self.layer = layer
+
+            def forward(self, x, scale):
+                return self.layer(x, scale)[0]
+
+        for level in (1, 3):
+            with self.subTest(level=level):
+                ref = layers(0)
+                blocks = ztrain.BlockList([Stack(layer) for layer in layers(0)], zero_level=level, prefetch_depth=1)
+                opt = torch.optim.SGD(blocks.parameters(), lr=0.1, momentum=0.9)
+                ref_opt = torch.optim.SGD([p for layer in ref for p in layer.parameters()], lr=0.1, momentum=0.9)
+                for x in batches()[:2]:
+                    for model, optimizer, data in ((blocks, opt, x[r * local:(r + 1) * local]), (ref, ref_opt, x)):
+                        optimizer.zero_grad()
+                        out = model(data, 0.5) if model is blocks else step_main(ref, data)
+                        out.pow(2).mean().backward()
+                        optimizer.step()
+                names = [name for name, _ in blocks.named_parameters()]
+                self.assertEqual(names[0], "0.zero_shard_0")
+                for block, layer in zip(blocks, ref):
+                    full = block.gathered_parameters()
+                    for name, p in layer.named_parameters():
+                        torch.testing.assert_close(full["layer." + name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+    def test_a_block_list_gathers_one_block_ahead(self):
+        seen = []  # (block index, blocks with gathered storage) whenever a layer computes
+
+        class Probe(torch.nn.Module):
+            def __init__(self, index):
+                super().__init__()
+                self.index = index
+                self.fc = torch.nn.Linear(WIDTH, WIDTH)
+
+            def forward(self, x):
+                seen.append((self.index, [b.gathered_bytes() > 0 for b in blocks]))
+                return x + self.fc(x)
+
+        blocks = ztrain.BlockList([Probe(i) for i in range(4)], zero_level=3, use_checkpoint=False, prefetch_depth=1)
+        blocks(torch.randn(2, WIDTH)).sum().backward()
+        self.assertEqual([i for i, _ in seen], [0, 1, 2, 3])
+        for i, gathered in seen:
+            # This block and the next one hold their parameters (the next one's gather started
+            # before this one computed); the earlier ones released theirs, the later ones wait.
+            self.assertEqual(gathered, [j in (i, i + 1) for j in range(4)], f"while block {i} computed")
 
     def test_recomputation_replays_the_dropout_masks(self):
         def dropped():
