@@ -1,6 +1,7 @@
 // ztrain._C: the native side of the Python package (python/ztrain). Ordinary torch.Tensors
 // cross the boundary as the same tensors (no copy); ztrain::Error and ztrain::CommError arrive
 // as ztrain.Error and ztrain.CommError with the native message; blocking calls release the GIL.
+#include <ztrain/ckpt/model_file.h>
 #include <ztrain/optim/adam.h>
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
@@ -8,6 +9,7 @@
 
 #include <torch/extension.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -75,20 +77,28 @@ class NativeAdam {
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
+/// The module at the dotted `path` below `root` without its last part, made on the way, and
+/// that last part.
+std::pair<torch::nn::Module*, std::string> parent_of(torch::nn::Module& root, const std::string& path) {
+  torch::nn::Module* at = &root;
+  size_t begin = 0;
+  for (size_t dot = path.find('.'); dot != std::string::npos; begin = dot + 1, dot = path.find('.', begin)) {
+    const auto part = path.substr(begin, dot - begin);
+    auto children = at->named_children();
+    at = children.contains(part) ? children[part].get()
+                                 : at->register_module(part, std::make_shared<torch::nn::Module>()).get();
+  }
+  return {at, path.substr(begin)};
+}
+
 /// A C++ module tree holding `named` (the Python module's parameters, the same tensors) under
 /// the same dotted names, which the ZeRO engine then points into its flat buffers: what it does
 /// to them, the Python module's parameters see.
 std::shared_ptr<torch::nn::Module> holder_of(const NamedTensors& named) {
   auto root = std::make_shared<torch::nn::Module>("Python module");
   for (const auto& [name, tensor] : named) {
-    torch::nn::Module* at = root.get();
-    size_t begin = 0;
-    for (size_t dot = name.find('.'); dot != std::string::npos; begin = dot + 1, dot = name.find('.', begin)) {
-      const auto part = name.substr(begin, dot - begin);
-      auto children = at->named_children();
-      at = children.contains(part) ? children[part].get() : at->register_module(part, std::make_shared<torch::nn::Module>()).get();
-    }
-    at->register_parameter(name.substr(begin), tensor, tensor.requires_grad());
+    auto [parent, last] = parent_of(*root, name);
+    parent->register_parameter(last, tensor, tensor.requires_grad());
   }
   return root;
 }
@@ -121,6 +131,25 @@ class PyBlock : public zt::ShardedModule {
     return out;
   }
 };
+
+/// A Python model as the C++ side sees one: its Blocks at their paths (a Block at "" is the
+/// whole model), its other parameters under their names — so that ztrain::save and load name
+/// every parameter as the model without Blocks would.
+std::shared_ptr<torch::nn::Module> model_view(const std::vector<std::pair<std::string, std::shared_ptr<PyBlock>>>& blocks,
+                                              const NamedTensors& params) {
+  if (blocks.size() == 1 && blocks[0].first.empty() && params.empty()) return blocks[0].second;
+  auto root = std::make_shared<torch::nn::Module>("Python model");
+  for (const auto& [path, block] : blocks) {
+    ZTRAIN_CHECK(!path.empty(), "a Block that is the whole model cannot hold other parameters beside it");
+    auto [parent, last] = parent_of(*root, path);
+    parent->register_module(last, block);
+  }
+  for (const auto& [name, tensor] : params) {
+    auto [parent, last] = parent_of(*root, name);
+    parent->register_parameter(last, tensor, tensor.requires_grad());
+  }
+  return root;
+}
 
 }  // namespace
 
@@ -181,6 +210,21 @@ PYBIND11_MODULE(_C, m) {
         }
       },
       py::arg("blocks"), py::arg("depth"));
+
+  using Blocks = std::vector<std::pair<std::string, std::shared_ptr<PyBlock>>>;
+  m.def(
+      "_save",
+      [](const Blocks& blocks, const NamedTensors& params, const std::string& path,
+         const std::map<std::string, std::string>& metadata) {
+        zt::save(*model_view(blocks, params), path, {.metadata = metadata});
+      },
+      release());
+  m.def(
+      "_load",
+      [](const Blocks& blocks, const NamedTensors& params, const std::string& path, bool strict) {
+        zt::load(*model_view(blocks, params), path, {.strict = strict});
+      },
+      release());
 
   py::class_<NativeAdam>(m, "_Adam")
       .def(py::init<const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>&, bool, std::optional<int>>())

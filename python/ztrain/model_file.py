@@ -1,0 +1,32 @@
+"""Model files: ztrain's safetensors format, written and read by the C++ side (ztrain::save, load).
+
+    ztrain.save(model, "model.safetensors")     # collective; full tensors, the names a model without Blocks has
+    ztrain.load(model, "model.safetensors")     # any world size, ZeRO level or layout wrote it
+
+A Block's parameters are saved under its module's names at the Block's path ("layers.0.fc1.weight",
+not "layers.0.zero_shard_0"), gathered block by block, so the file loads into the same model
+without ztrain (safetensors.torch.load_file and load_state_dict), into ztrain-gpt where the names
+match, and back into a model with Blocks at any level and world size.
+"""
+from . import _C
+from .block import Block
+
+
+def _view(model):
+    blocks = [(name, m._native) for name, m in model.named_modules() if isinstance(m, Block)]
+    inside = [name + "." for name, _ in blocks if name]
+    whole = any(name == "" for name, _ in blocks)
+    params = [] if whole else [(name, p) for name, p in model.named_parameters()
+                               if not any(name.startswith(prefix) for prefix in inside)]
+    return blocks, params
+
+
+def save(model, path, metadata=None):
+    """Writes every parameter of `model` to the safetensors file `path` (collective over the job)."""
+    _C._save(*_view(model), str(path), dict(metadata or {}))
+
+
+def load(model, path, strict=True):
+    """Reads `path` into `model`'s parameters (collective). strict: an entry of the file that the
+    model does not have is an error."""
+    _C._load(*_view(model), str(path), strict)
