@@ -3,6 +3,7 @@
 // as ztrain.Error and ztrain.CommError with the native message; blocking calls release the GIL.
 #include <ztrain/ckpt/model_file.h>
 #include <ztrain/optim/adam.h>
+#include <ztrain/optim/optim_manager.h>
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
 #include <ztrain/zero/sharded_module.h>
@@ -58,6 +59,7 @@ class NativeAdam {
                            .master = master ? *master : torch::Tensor()});
   }
   std::string kernel() const { return zt::optim::to_string(opt_.kernel()); }
+  zt::optim::AdamW& optimizer() { return opt_; }
 
  private:
   static zt::optim::AdamW make(const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>& groups, bool decoupled,
@@ -151,6 +153,26 @@ std::shared_ptr<torch::nn::Module> model_view(const std::vector<std::pair<std::s
   return root;
 }
 
+using Blocks = std::vector<std::pair<std::string, std::shared_ptr<PyBlock>>>;
+
+/// The C++ OptimManager over a Python model's view and ztrain's native optimizers.
+class PyOptimManager {
+ public:
+  PyOptimManager(const Blocks& blocks, const NamedTensors& params, zt::LossScaler scaler)
+      : view_(model_view(blocks, params)), manager_(*view_, std::move(scaler)) {}
+  void add_optimizer(const std::shared_ptr<NativeAdam>& optimizer) {
+    manager_.add_optimizer(optimizer->optimizer());
+    optimizers_.push_back(optimizer);  // alive as long as the manager steps it
+  }
+  zt::optim::OptimManager& operator*() { return manager_; }
+  zt::optim::OptimManager* operator->() { return &manager_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> view_;
+  zt::optim::OptimManager manager_;
+  std::vector<std::shared_ptr<NativeAdam>> optimizers_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -211,7 +233,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("blocks"), py::arg("depth"));
 
-  using Blocks = std::vector<std::pair<std::string, std::shared_ptr<PyBlock>>>;
   m.def(
       "_save",
       [](const Blocks& blocks, const NamedTensors& params, const std::string& path,
@@ -226,7 +247,31 @@ PYBIND11_MODULE(_C, m) {
       },
       release());
 
-  py::class_<NativeAdam>(m, "_Adam")
+  py::class_<PyOptimManager>(m, "_OptimManager")
+      .def(py::init([](const Blocks& blocks, const NamedTensors& params, std::optional<double> loss_scale,
+                       bool dynamic, double factor, int64_t interval, double min_scale, double max_scale) {
+        auto scaler = !loss_scale ? zt::LossScaler::off()
+                      : dynamic   ? zt::LossScaler::dynamic({.initial_scale = *loss_scale,
+                                                             .growth_factor = factor,
+                                                             .backoff_factor = 1 / factor,
+                                                             .growth_interval = interval,
+                                                             .min_scale = min_scale,
+                                                             .max_scale = max_scale})
+                                  : zt::LossScaler::static_scale(*loss_scale);
+        return std::make_unique<PyOptimManager>(blocks, params, std::move(scaler));
+      }))
+      .def("add_optimizer", &PyOptimManager::add_optimizer)
+      .def("zero_grad", [](PyOptimManager& m) { m->zero_grad(); })
+      .def("backward", [](PyOptimManager& m, const torch::Tensor& loss) { m->backward(loss); }, release())
+      .def("clip_grad_norm", [](PyOptimManager& m, double max_norm) { return m->clip_grad_norm(max_norm); },
+           release())
+      .def("grad_norm", [](PyOptimManager& m) { return m->grad_norm(); }, release())
+      .def("step", [](PyOptimManager& m) { return m->step(); }, release())
+      .def_property_readonly("loss_scale", [](PyOptimManager& m) { return m->loss_scale(); })
+      .def_property_readonly("steps", [](PyOptimManager& m) { return m->steps(); })
+      .def_property_readonly("skipped_steps", [](PyOptimManager& m) { return m->skipped_steps(); });
+
+  py::class_<NativeAdam, std::shared_ptr<NativeAdam>>(m, "_Adam")
       .def(py::init<const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>&, bool, std::optional<int>>())
       .def("set_options", &NativeAdam::set_options)
       .def("step", &NativeAdam::step, release())

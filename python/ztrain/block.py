@@ -17,6 +17,17 @@ import torch
 from . import _C
 
 
+def native_view(model):
+    """How the C++ side sees a Python model: its Blocks with their paths ("" for a model that is
+    one Block), and its other parameters by name."""
+    blocks = [(name, m._native) for name, m in model.named_modules() if isinstance(m, Block)]
+    inside = [name + "." for name, _ in blocks if name]
+    whole = any(name == "" for name, _ in blocks)
+    params = [] if whole else [(name, p) for name, p in model.named_parameters()
+                               if not any(name.startswith(prefix) for prefix in inside)]
+    return blocks, params
+
+
 class Block(torch.nn.Module):
     def __init__(self, module, zero_level=3, use_checkpoint=True):
         super().__init__()

@@ -9,24 +9,15 @@ without ztrain (safetensors.torch.load_file and load_state_dict), into ztrain-gp
 match, and back into a model with Blocks at any level and world size.
 """
 from . import _C
-from .block import Block
-
-
-def _view(model):
-    blocks = [(name, m._native) for name, m in model.named_modules() if isinstance(m, Block)]
-    inside = [name + "." for name, _ in blocks if name]
-    whole = any(name == "" for name, _ in blocks)
-    params = [] if whole else [(name, p) for name, p in model.named_parameters()
-                               if not any(name.startswith(prefix) for prefix in inside)]
-    return blocks, params
+from .block import native_view
 
 
 def save(model, path, metadata=None):
     """Writes every parameter of `model` to the safetensors file `path` (collective over the job)."""
-    _C._save(*_view(model), str(path), dict(metadata or {}))
+    _C._save(*native_view(model), str(path), dict(metadata or {}))
 
 
 def load(model, path, strict=True):
     """Reads `path` into `model`'s parameters (collective). strict: an entry of the file that the
     model does not have is an error."""
-    _C._load(*_view(model), str(path), strict)
+    _C._load(*native_view(model), str(path), strict)

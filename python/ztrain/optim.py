@@ -10,6 +10,7 @@ fp32 master copy in the state (state["master"]).
 import torch
 
 from . import _C
+from .block import native_view
 
 
 class _NativeAdam(torch.optim.Optimizer):
@@ -36,14 +37,17 @@ class _NativeAdam(torch.optim.Optimizer):
                            "pass every group to the constructor")
         super().add_param_group(param_group)
 
+    def _sync_options(self):
+        for i, group in enumerate(self.param_groups):  # an LR schedule may have changed them
+            self._native.set_options(i, self._hyper(group))
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for i, group in enumerate(self.param_groups):  # an LR schedule may have changed them
-            self._native.set_options(i, self._hyper(group))
+        self._sync_options()
         self._native.step()
         return loss
 
@@ -97,3 +101,76 @@ class Adam(_NativeAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, *, num_threads=None):
         super().__init__(params, lr, betas, eps, weight_decay, num_threads)
+
+
+class OptimManager:
+    """The steps around ztrain's optimizers, as BMTrain's OptimManager and the C++ one: loss
+    scaling, gradient clipping over every shard and rank, and a step every rank skips when any
+    rank's gradients hold an inf or NaN.
+
+        manager = ztrain.optim.OptimManager(model, loss_scale=2**16)    # dynamic; None: off
+        manager.add_optimizer(opt, lr_scheduler)                        # a ztrain.optim optimizer
+        manager.zero_grad()
+        manager.backward(loss)                 # (loss × scale).backward()
+        manager.clip_grad_norm(1.0)            # the unscaled global norm, before clipping
+        applied = manager.step()               # False: skipped on every rank, the scale backed off
+
+    `model` tells which parameters are shards (those of Blocks at levels 1-3, each element
+    counted once in the norm) and which are replicated (counted once per data-parallel group).
+    A scale that changes (loss_scale_steps clean steps: × loss_scale_factor; an overflow: ÷) is
+    kept within [min_loss_scale, max_loss_scale]; static_loss_scale=True keeps it fixed.
+    clip_grad_norm and step are collective. The lr_scheduler (any torch one) steps after each
+    applied step.
+    """
+
+    def __init__(self, model, loss_scale=None, loss_scale_factor=2.0, loss_scale_steps=1024, min_loss_scale=1.0,
+                 max_loss_scale=float(2 ** 24), static_loss_scale=False):
+        self._native = _C._OptimManager(*native_view(model), loss_scale, not static_loss_scale, loss_scale_factor,
+                                        loss_scale_steps, min_loss_scale, max_loss_scale)
+        self.optimizers = []
+        self.lr_schedulers = []
+
+    def add_optimizer(self, optimizer, lr_scheduler=None):
+        if not isinstance(optimizer, _NativeAdam):
+            raise _C.Error(f"OptimManager: steps ztrain.optim optimizers (natively), got {type(optimizer).__name__}")
+        self._native.add_optimizer(optimizer._native)
+        self.optimizers.append(optimizer)
+        self.lr_schedulers.append(lr_scheduler)
+
+    def zero_grad(self):
+        self._native.zero_grad()
+
+    def backward(self, loss):
+        self._native.backward(loss)
+
+    def clip_grad_norm(self, max_norm):
+        return self._native.clip_grad_norm(float(max_norm))
+
+    def grad_norm(self):
+        return self._native.grad_norm()
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer._sync_options()
+        applied = self._native.step()
+        if applied:
+            for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
+                # The native step bypasses optimizer.step(), whose call torch's schedulers
+                # look for; this is what its wrapper records.
+                optimizer._opt_called = True
+                if scheduler is not None:
+                    scheduler.step()
+        return applied
+
+    @property
+    def loss_scale(self):
+        return self._native.loss_scale
+
+    @property
+    def steps(self):
+        """Steps applied so far."""
+        return self._native.steps
+
+    @property
+    def skipped_steps(self):
+        return self._native.skipped_steps
