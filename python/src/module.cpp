@@ -3,6 +3,7 @@
 // as ztrain.Error and ztrain.CommError with the native message; blocking calls release the GIL.
 #include <ztrain/ckpt/model_file.h>
 #include <ztrain/optim/adam.h>
+#include <ztrain/optim/adam_offload.h>
 #include <ztrain/optim/optim_manager.h>
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
@@ -32,49 +33,62 @@ zt::optim::AdamOptions adam_options(const Hyper& h, bool decoupled) {
       .decoupled_weight_decay(decoupled);
 }
 
-/// The native fused Adam/AdamW over the groups of a Python torch.optim.Optimizer.
+/// The native fused Adam/AdamW over the groups of a Python torch.optim.Optimizer, or AdamOffload
+/// over a Python model's view (kept alive here: the optimizer refers to it).
 class NativeAdam {
  public:
   NativeAdam(const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>& groups, bool decoupled,
              std::optional<int> num_threads)
       : decoupled_(decoupled), opt_(make(groups, decoupled, num_threads)) {}
+  NativeAdam(std::shared_ptr<torch::nn::Module> model, const Hyper& h, std::optional<int> num_threads)
+      : decoupled_(true),
+        model_(std::move(model)),
+        opt_(std::make_unique<zt::optim::AdamOffload>(*model_, adam_options(h, true),
+                                                      zt::optim::AdamEngineOptions{.num_threads = num_threads})) {}
 
   void set_options(size_t group, const Hyper& h) {
-    ZTRAIN_CHECK(group < opt_.param_groups().size(), "optimizer group ", group, " does not exist (", opt_.param_groups().size(),
-                 " groups)");
-    static_cast<zt::optim::AdamOptions&>(opt_.param_groups()[group].options()) = adam_options(h, decoupled_);
+    ZTRAIN_CHECK(group < opt_->param_groups().size(), "optimizer group ", group, " does not exist (",
+                 opt_->param_groups().size(), " groups)");
+    static_cast<zt::optim::AdamOptions&>(opt_->param_groups()[group].options()) = adam_options(h, decoupled_);
   }
-  void step() { opt_.step(); }
+  void step() { opt_->step(); }
+  /// Waits for AdamOffload's updates in flight and rethrows their error (nothing otherwise).
+  void wait() {
+    if (auto* offload = dynamic_cast<zt::optim::AdamOffload*>(opt_.get())) offload->wait();
+  }
+  /// The tensors of group g.
+  std::vector<torch::Tensor> params(size_t group) const { return opt_->param_groups().at(group).params(); }
 
   /// (step, exp_avg, exp_avg_sq, master or None), or None before the parameter's first step.
   py::object state(const torch::Tensor& param) {
-    const auto* s = opt_.state_of(param);
+    const auto* s = opt_->state_of(param);
     if (!s) return py::none();
     return py::make_tuple(s->step, s->exp_avg, s->exp_avg_sq,
                           s->master.defined() ? py::cast(s->master) : py::object(py::none()));
   }
   void set_state(const torch::Tensor& param, int64_t step, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                  std::optional<torch::Tensor> master) {
-    opt_.set_state(param, {.step = step, .exp_avg = std::move(exp_avg), .exp_avg_sq = std::move(exp_avg_sq),
-                           .master = master ? *master : torch::Tensor()});
+    opt_->set_state(param, {.step = step, .exp_avg = std::move(exp_avg), .exp_avg_sq = std::move(exp_avg_sq),
+                            .master = master ? *master : torch::Tensor()});
   }
-  std::string kernel() const { return zt::optim::to_string(opt_.kernel()); }
-  zt::optim::AdamW& optimizer() { return opt_; }
+  std::string kernel() const { return zt::optim::to_string(opt_->kernel()); }
+  zt::optim::AdamW& optimizer() { return *opt_; }
 
  private:
-  static zt::optim::AdamW make(const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>& groups, bool decoupled,
-                               std::optional<int> num_threads) {
+  static std::unique_ptr<zt::optim::AdamW> make(const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>& groups,
+                                                bool decoupled, std::optional<int> num_threads) {
     ZTRAIN_CHECK(!groups.empty(), "the optimizer got no parameter groups");
     std::vector<torch::optim::OptimizerParamGroup> native;
     for (const auto& [params, h] : groups) {
       native.emplace_back(params, std::make_unique<zt::optim::AdamOptions>(adam_options(h, decoupled)));
     }
-    return zt::optim::AdamW(std::move(native), adam_options(groups.front().second, decoupled),
-                            {.num_threads = num_threads});
+    return std::make_unique<zt::optim::AdamW>(std::move(native), adam_options(groups.front().second, decoupled),
+                                              zt::optim::AdamEngineOptions{.num_threads = num_threads});
   }
 
   bool decoupled_;
-  zt::optim::AdamW opt_;
+  std::shared_ptr<torch::nn::Module> model_;  // AdamOffload's model view
+  std::unique_ptr<zt::optim::AdamW> opt_;
 };
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
@@ -273,7 +287,15 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<NativeAdam, std::shared_ptr<NativeAdam>>(m, "_Adam")
       .def(py::init<const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>&, bool, std::optional<int>>())
+      .def_static(
+          "offload",
+          [](const Blocks& blocks, const NamedTensors& params, const Hyper& h, std::optional<int> num_threads) {
+            return std::make_shared<NativeAdam>(model_view(blocks, params), h, num_threads);
+          },
+          release())
       .def("set_options", &NativeAdam::set_options)
+      .def("params", &NativeAdam::params)
+      .def("wait", &NativeAdam::wait, release())
       .def("step", &NativeAdam::step, release())
       .def("state", &NativeAdam::state)
       .def("set_state", &NativeAdam::set_state)

@@ -16,10 +16,10 @@ from .block import native_view
 class _NativeAdam(torch.optim.Optimizer):
     _decoupled = True
 
-    def __init__(self, params, lr, betas, eps, weight_decay, num_threads):
+    def __init__(self, params, lr, betas, eps, weight_decay, num_threads, native=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self._native = _C._Adam([(list(g["params"]), self._hyper(g)) for g in self.param_groups], self._decoupled,
-                                num_threads)
+        self._native = native or _C._Adam([(list(g["params"]), self._hyper(g)) for g in self.param_groups],
+                                          self._decoupled, num_threads)
 
     @staticmethod
     def _hyper(group):
@@ -101,6 +101,25 @@ class Adam(_NativeAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, *, num_threads=None):
         super().__init__(params, lr, betas, eps, weight_decay, num_threads)
+
+
+class AdamOffload(_NativeAdam):
+    """AdamW whose state lives in host memory and whose update runs on a background thread
+    behind the next forward, as ZeRO-Offload (the C++ AdamOffload): built on a model, it updates
+    all of its parameters in one group. step() checks everything, updates the parameters outside
+    Blocks at once, hands each Block shard's update to its thread and returns; a Block waits for
+    its own shard only when its forward needs it. The numbers are AdamW's bit for bit. step()
+    takes the gradients (every .grad is None afterwards); wait() blocks until the updates are done
+    and raises an update's error.
+    """
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, num_threads=None):
+        native = _C._Adam.offload(*native_view(model), (float(lr), float(betas[0]), float(betas[1]), float(eps),
+                                                        float(weight_decay)), num_threads)
+        super().__init__(native.params(0), lr, betas, eps, weight_decay, num_threads, native)
+
+    def wait(self):
+        self._native.wait()
 
 
 class OptimManager:

@@ -1,0 +1,63 @@
+"""ztrain.optim.AdamOffload against ztrain.optim.AdamW: the same numbers bit for bit, the update
+behind the next forward, at every world size it is launched with."""
+import unittest
+
+import torch
+
+import ztrain
+
+WIDTH = 8
+
+
+class Net(torch.nn.Module):
+    def __init__(self, level):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = ztrain.BlockList([torch.nn.Sequential(torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(),
+                                                            torch.nn.Linear(2 * WIDTH, WIDTH)) for _ in range(3)],
+                                       zero_level=level, use_checkpoint=level % 2 == 1)
+        self.head = torch.nn.Linear(WIDTH, 4)  # a plain parameter, updated inside step()
+
+    def forward(self, x):
+        return self.head(self.blocks(x)).pow(2).mean()
+
+
+def train(level, offload):
+    model = Net(level)
+    opt = (ztrain.optim.AdamOffload(model, lr=1e-2, weight_decay=0.1) if offload
+           else ztrain.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    losses = []
+    gen = torch.Generator().manual_seed(ztrain.rank())
+    for _ in range(5):
+        opt.zero_grad()
+        loss = model(torch.randn(4, WIDTH, generator=gen))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if offload:
+            assert all(p.grad is None for p in model.parameters()), "step() takes the gradients"
+    if offload:
+        opt.wait()
+    params = {name: t for block in model.blocks for name, t in block.gathered_parameters().items()}
+    params.update({"head." + n: p.detach().clone() for n, p in model.head.named_parameters()})
+    return losses, params, opt
+
+
+class Offload(unittest.TestCase):
+    def test_equals_adamw_bit_for_bit(self):
+        for level in range(4):
+            with self.subTest(level=level):
+                want_losses, want, _ = train(level, False)
+                losses, got, opt = train(level, True)
+                self.assertEqual(losses, want_losses)
+                self.assertEqual(sorted(got), sorted(want))
+                for name in want:
+                    self.assertTrue(torch.equal(got[name], want[name]), name)
+                self.assertEqual(len(opt.param_groups), 1)
+                steps = {opt.state_dict()["state"][i]["step"].item() for i in opt.state_dict()["state"]}
+                self.assertEqual(steps, {5.0})
+
+
+if __name__ == "__main__":
+    ztrain.init_distributed(seed=0)
+    unittest.main()
