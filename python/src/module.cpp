@@ -7,6 +7,7 @@
 #include <ztrain/optim/optim_manager.h>
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/zero/init_parameters.h>
 #include <ztrain/zero/sharded_module.h>
 
 #include <torch/extension.h>
@@ -21,6 +22,15 @@ namespace py = pybind11;
 namespace zt = ztrain;
 
 namespace {
+
+/// A Python callable the native side may keep and drop on any thread: the last owner takes the
+/// GIL to release it.
+std::shared_ptr<py::function> keep(const py::function& fn) {
+  return std::shared_ptr<py::function>(new py::function(fn), [](py::function* f) {
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+}
 
 using Hyper = std::tuple<double, double, double, double, double>;  // lr, beta1, beta2, eps, weight_decay
 
@@ -126,12 +136,8 @@ class PyBlock : public zt::ShardedModule {
   PyBlock(const NamedTensors& named, zt::BlockOptions options) : ShardedModule(holder_of(named), options, "Block") {}
 
   std::vector<torch::Tensor> forward(const py::function& fn, const std::vector<torch::Tensor>& inputs) {
-    // The engine keeps the callable for the backward (recomputation); whoever drops it last
-    // may hold no GIL.
-    std::shared_ptr<py::function> call(new py::function(fn), [](py::function* f) {
-      py::gil_scoped_acquire gil;
-      delete f;
-    });
+    // The engine keeps the callable for the backward (recomputation).
+    auto call = keep(fn);
     Fn run_python = [call](const std::vector<torch::Tensor>& in) {
       py::gil_scoped_acquire gil;
       return (*call)(in).cast<std::vector<torch::Tensor>>();
@@ -254,6 +260,20 @@ PYBIND11_MODULE(_C, m) {
         zt::save(*model_view(blocks, params), path, {.metadata = metadata});
       },
       release());
+  m.def(
+      "_init_parameters",
+      [](const Blocks& blocks, const NamedTensors& params, std::optional<uint64_t> seed,
+         const std::optional<py::function>& init) {
+        zt::InitParametersOptions options{.seed = seed};
+        if (init) {
+          options.init = [fn = keep(*init)](const std::string& name, torch::Tensor& value, at::Generator& gen) {
+            py::gil_scoped_acquire gil;
+            (*fn)(name, value, gen);
+          };
+        }
+        py::gil_scoped_release release;
+        zt::init_parameters(*model_view(blocks, params), options);
+      });
   m.def(
       "_load",
       [](const Blocks& blocks, const NamedTensors& params, const std::string& path, bool strict) {

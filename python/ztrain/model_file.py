@@ -1,4 +1,4 @@
-"""Model files: ztrain's safetensors format, written and read by the C++ side (ztrain::save, load).
+"""Model files and initialisation: ztrain's safetensors format, written and read by the C++ side (ztrain::save, load).
 
     ztrain.save(model, "model.safetensors")     # collective; full tensors, the names a model without Blocks has
     ztrain.load(model, "model.safetensors")     # any world size, ZeRO level or layout wrote it
@@ -21,3 +21,13 @@ def load(model, path, strict=True):
     """Reads `path` into `model`'s parameters (collective). strict: an entry of the file that the
     model does not have is an error."""
     _C._load(*native_view(model), str(path), strict)
+
+
+def init_parameters(model, seed=None, init=None):
+    """Initialises every parameter of `model` independently of the number of ranks (the C++
+    init_parameters): each is drawn in full, in fp32, from a generator seeded from `seed` (default:
+    init_distributed's) and its name — the name the model without Blocks has — and each rank keeps
+    what it holds. The default rule is GPT-2's: N(0, 0.02²) for weights of two or more
+    dimensions, zero for names ending in "bias", one for other one-dimensional parameters.
+    `init(name, tensor, generator)` replaces it, filling the fp32 tensor in place."""
+    _C._init_parameters(*native_view(model), seed, init)

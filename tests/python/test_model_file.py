@@ -76,6 +76,30 @@ class ModelFile(unittest.TestCase):
         if r == 0:
             os.remove(path)
 
+    def test_init_parameters_is_the_same_at_every_world_size(self):
+        # A plain model in one process and Blocks over every rank draw the same weights.
+        plain = Net(1)
+        ztrain.init_parameters(plain, seed=42)
+        model = Net(2 + ztrain.rank(), lambda layers: ztrain.BlockList(layers, zero_level=3))
+        ztrain.init_parameters(model, seed=42)
+        for block, layer in zip(model.blocks, plain.blocks):
+            full = block.gathered_parameters()
+            for name, p in layer.named_parameters():
+                self.assertTrue(torch.equal(full[name], p.detach()), name)
+        self.assertTrue(torch.equal(model.wte.weight, plain.wte.weight))
+        self.assertTrue(torch.equal(plain.head.bias, torch.zeros(VOCAB)))  # GPT-2's rule
+        self.assertAlmostEqual(plain.wte.weight.std().item(), 0.02, delta=0.004)
+        names = []
+
+        def constant(name, tensor, generator):
+            names.append(name)
+            tensor.fill_(0.5 if name.endswith("weight") else -1.0)
+
+        ztrain.init_parameters(model, init=constant)
+        self.assertIn("blocks.0.fc1.weight", names)
+        self.assertTrue(torch.equal(model.blocks[2].gathered_parameters()["fc2.bias"], torch.full((WIDTH,), -1.0)))
+        self.assertTrue(torch.equal(model.head.weight, torch.full((VOCAB, WIDTH), 0.5)))
+
     def test_a_single_block_and_the_errors(self):
         layer = Layer()
         block = ztrain.Block(layer, zero_level=2)
