@@ -8,6 +8,7 @@
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
 #include <ztrain/zero/init_parameters.h>
+#include <ztrain/zero/memory.h>
 #include <ztrain/zero/sharded_module.h>
 
 #include <torch/extension.h>
@@ -274,6 +275,12 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;
         zt::init_parameters(*model_view(blocks, params), options);
       });
+  m.def("_memory_stats", [](const Blocks& blocks, const NamedTensors& params, const std::shared_ptr<NativeAdam>& opt) {
+    const auto s = zt::memory_stats(*model_view(blocks, params), opt ? &opt->optimizer() : nullptr);
+    return std::map<std::string, int64_t>{{"parameter_bytes", s.parameter_bytes}, {"gathered_bytes", s.gathered_bytes},
+                                          {"gradient_bytes", s.gradient_bytes}, {"optimizer_bytes", s.optimizer_bytes},
+                                          {"rss_bytes", s.rss_bytes}, {"peak_rss_bytes", s.peak_rss_bytes}};
+  });
   m.def(
       "_load",
       [](const Blocks& blocks, const NamedTensors& params, const std::string& path, bool strict) {

@@ -19,10 +19,11 @@ from . import _C
 from ._C import CommError, Error
 from . import optim
 from .block import Block, BlockList
-from .model_file import init_parameters, load, save
+from .model_file import init_parameters, load, memory_stats, save
 
 __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
-           "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block", "BlockList", "save", "load", "init_parameters"]
+           "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block", "BlockList", "save", "load", "init_parameters",
+           "memory_stats"]
 
 
 def init_distributed(seed=0, tp_size=1, pp_size=1, timeout=None, device=None, threads=None):

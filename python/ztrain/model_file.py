@@ -31,3 +31,14 @@ def init_parameters(model, seed=None, init=None):
     dimensions, zero for names ending in "bias", one for other one-dimensional parameters.
     `init(name, tensor, generator)` replaces it, filling the fp32 tensor in place."""
     _C._init_parameters(*native_view(model), seed, init)
+
+
+def memory_stats(model, optimizer=None):
+    """Bytes this rank holds (the C++ memory_stats; not collective): "parameter_bytes" (what
+    stays between steps: a Block's full buffer at levels 0-1, its shard at 2-3, other parameters
+    in full), "gathered_bytes" (full buffers of levels 2-3 allocated now), "gradient_bytes",
+    "optimizer_bytes" (a ztrain.optim optimizer's state), "rss_bytes" and "peak_rss_bytes"."""
+    from .optim import _NativeAdam
+    if optimizer is not None and not isinstance(optimizer, _NativeAdam):
+        raise _C.Error(f"memory_stats: counts the state of ztrain.optim optimizers, got {type(optimizer).__name__}")
+    return _C._memory_stats(*native_view(model), optimizer._native if optimizer is not None else None)

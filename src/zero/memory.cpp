@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 
 namespace ztrain {
@@ -37,6 +38,9 @@ MemoryStats memory_stats(torch::nn::Module& model, torch::optim::Optimizer* opti
   if (statm >> size >> resident) m.rss_bytes = resident * sysconf(_SC_PAGESIZE);
   rusage usage{};
   if (getrusage(RUSAGE_SELF, &usage) == 0) m.peak_rss_bytes = static_cast<int64_t>(usage.ru_maxrss) * 1024;
+  // Linux moves its high-water mark lazily (when the resident set shrinks): the resident size
+  // now can be above the last mark.
+  m.peak_rss_bytes = std::max(m.peak_rss_bytes, m.rss_bytes);
   return m;
 }
 

@@ -157,6 +157,26 @@ class BlockParity(unittest.TestCase):
         for kept, recomputed in zip(*grads):
             self.assertTrue(torch.equal(kept, recomputed))
 
+    def test_memory_stats_count_this_ranks_share(self):
+        n = ztrain.world_size()
+        kept = {}
+        for level in (0, 3):
+            blocks = ztrain.BlockList(layers(0), zero_level=level)
+            opt = ztrain.optim.AdamW(blocks.parameters())
+            step_main(blocks, batches()[0]).pow(2).mean().backward()
+            opt.step()
+            stats = ztrain.memory_stats(blocks, opt)
+            shard = sum(p.numel() for p in blocks.parameters()) * 4  # fp32
+            self.assertEqual(stats["parameter_bytes"], shard)
+            self.assertEqual(stats["gradient_bytes"], shard)
+            self.assertEqual(stats["optimizer_bytes"], 2 * shard)  # two fp32 moments
+            self.assertEqual(stats["gathered_bytes"], 0)  # between steps
+            self.assertGreaterEqual(stats["peak_rss_bytes"], stats["rss_bytes"])
+            kept[level] = stats["parameter_bytes"]
+        self.assertEqual(kept[3] * n, kept[0])
+        with self.assertRaisesRegex(ztrain.Error, "ztrain.optim optimizers, got SGD"):
+            ztrain.memory_stats(blocks, torch.optim.SGD(blocks.parameters(), lr=0.1))
+
     def test_the_module_sees_the_engine_values(self):
         layer = layers(0)[0]
         weight = layer.fc1.weight
