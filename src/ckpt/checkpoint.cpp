@@ -77,11 +77,6 @@ void write_file_atomically(const fs::path& path, const std::string& text) {
 /// The suffix of the entry of the same generator's tensor-parallel tracker state (runtime/tp_rng.h).
 constexpr const char* kTrackerSuffix = ".tensor_parallel";
 
-torch::Tensor locked_state(at::Generator& gen) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
 /// rng.safetensors' entry for a rank's generator: "rank<r>" for the CPU's (as ever),
 /// "rank<r>.cuda" for a device's.
 std::string generator_entry(size_t rank, const at::Generator& gen) {
@@ -207,7 +202,7 @@ Publication prepare(const std::string& root, int64_t step, const TrainingState& 
   auto gens = rng::default_generators(ctx.device());
   const auto tracker = rng::tensor_parallel_states(ctx.device());
   for (size_t g = 0; g < gens.size(); ++g) {
-    std::vector<std::pair<std::string, torch::Tensor>> kinds{{"", locked_state(gens[g])}};
+    std::vector<std::pair<std::string, torch::Tensor>> kinds{{"", rng::get_state(gens[g])}};
     if (g < tracker.size()) kinds.emplace_back(kTrackerSuffix, tracker[g]);
     for (const auto& [suffix, mine] : kinds) {
       const auto all = world.all_gather_bytes(
@@ -369,10 +364,7 @@ CheckpointInfo load_checkpoint(const std::string& dir, const TrainingState& stat
       // A checkpoint saved on the CPU has no device generator states: those keep their seeds.
       const auto name = generator_entry(world.rank(), gen);
       if (!file.contains(name)) continue;
-      {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        gen.set_state(file.read(name));
-      }
+      rng::set_state(gen, file.read(name));
       if (file.contains(name + kTrackerSuffix)) tracker.push_back(file.read(name + kTrackerSuffix));
     }
     if (!tracker.empty()) rng::set_tensor_parallel_states(ctx.device(), std::move(tracker));

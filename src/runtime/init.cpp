@@ -137,9 +137,7 @@ Runtime::Runtime(const InitOptions& options)
                                                         .seed = options.seed,
                                                         .host_shared_buffers = resolve_host_shared_buffers(options),
                                                         .device = device});
-  for (auto* c : {&context_->world(), &context_->tp(), &context_->dp(), &context_->pp(), &context_->stage()}) {
-    c->set_timeout(timeout_);
-  }
+  context_->set_timeout(timeout_);
   at::set_num_threads(threads_);
   context_->world().reset_stats();
   torch::manual_seed(rng::data_parallel_seed(options.seed, context_->coord()));

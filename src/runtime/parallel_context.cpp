@@ -46,6 +46,10 @@ std::string ParallelContext::group_name(const char* group) const {
   return options_.name == "world" ? std::string(group) : options_.name + "." + group;
 }
 
+void ParallelContext::set_timeout(std::chrono::milliseconds timeout) {
+  for (auto* c : {world_.get(), tp_.get(), dp_.get(), pp_.get(), stage_.get()}) c->set_timeout(timeout);
+}
+
 CommStream& ParallelContext::gather_stream() {
   std::lock_guard<std::mutex> lock(lazy_mutex_);
   if (!gather_) {

@@ -3,6 +3,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 
+#include <mutex>
+
 namespace ztrain::rng {
 namespace {
 uint64_t splitmix64(uint64_t x) {
@@ -38,6 +40,16 @@ std::vector<at::Generator> default_generators(c10::Device device) {
   std::vector<at::Generator> out{at::detail::getDefaultCPUGenerator()};
   if (!device.is_cpu()) out.push_back(at::globalContext().defaultGenerator(device));
   return out;
+}
+
+at::Tensor get_state(at::Generator& gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_state(at::Generator& gen, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
 }
 
 }  // namespace ztrain::rng

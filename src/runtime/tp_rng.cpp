@@ -22,18 +22,12 @@ Tracker& tracker() {
 
 std::vector<at::Tensor> get_states(std::vector<at::Generator>& gens) {
   std::vector<at::Tensor> out;
-  for (auto& g : gens) {
-    std::lock_guard<std::mutex> lock(g.mutex());
-    out.push_back(g.get_state());
-  }
+  for (auto& g : gens) out.push_back(rng::get_state(g));
   return out;
 }
 
 void set_states(std::vector<at::Generator>& gens, const std::vector<at::Tensor>& states) {
-  for (size_t i = 0; i < gens.size() && i < states.size(); ++i) {
-    std::lock_guard<std::mutex> lock(gens[i].mutex());
-    gens[i].set_state(states[i]);
-  }
+  for (size_t i = 0; i < gens.size() && i < states.size(); ++i) rng::set_state(gens[i], states[i]);
 }
 
 }  // namespace

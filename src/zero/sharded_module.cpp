@@ -117,10 +117,7 @@ std::vector<torch::Tensor> inner_leaves(const std::vector<torch::Tensor>& inputs
 /// (runtime/tp_rng.h): everything a forward draws from.
 std::vector<torch::Tensor> generator_states(c10::Device device) {
   std::vector<torch::Tensor> out;
-  for (auto& gen : rng::default_generators(device)) {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    out.push_back(gen.get_state());
-  }
+  for (auto& gen : rng::default_generators(device)) out.push_back(rng::get_state(gen));
   for (auto& state : rng::tensor_parallel_states(device)) out.push_back(std::move(state));
   return out;
 }
@@ -137,10 +134,7 @@ class GeneratorStateGuard {
 
  private:
   void set(const std::vector<torch::Tensor>& states) {
-    for (size_t i = 0; i < gens_.size(); ++i) {
-      std::lock_guard<std::mutex> lock(gens_[i].mutex());
-      gens_[i].set_state(states[i]);
-    }
+    for (size_t i = 0; i < gens_.size(); ++i) rng::set_state(gens_[i], states[i]);
     if (states.size() > gens_.size()) {
       rng::set_tensor_parallel_states(device_, {states.begin() + static_cast<std::ptrdiff_t>(gens_.size()), states.end()});
     }

@@ -85,6 +85,10 @@ class ParallelContext : public std::enable_shared_from_this<ParallelContext> {
   Communicator& pp() { return *pp_; }
   /// All ranks of this pipeline stage (dp × tp).
   Communicator& stage() { return *stage_; }
+  /// Sets the deadline of every group communicator above. The ZeRO streams and the background
+  /// context, duplicates made on first use, take the deadline their source has then: set it
+  /// before (init_distributed does).
+  void set_timeout(std::chrono::milliseconds timeout);
 
   /// The ZeRO engine's streams over dp: gathers of parameters and reductions of gradients, each
   /// on its own duplicate of dp, so that a reduction never queues behind the next gather. Made

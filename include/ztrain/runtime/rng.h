@@ -33,4 +33,8 @@ uint64_t rank_seed(uint64_t seed, Coord c);
 /// it is the CPU (what recomputation replays and checkpoints keep).
 std::vector<at::Generator> default_generators(c10::Device device);
 
+/// A generator's state, read or replaced under the generator's lock (other threads may draw).
+at::Tensor get_state(at::Generator& gen);
+void set_state(at::Generator& gen, const at::Tensor& state);
+
 }  // namespace ztrain::rng
