@@ -155,11 +155,12 @@ class PyBlock : public zt::ShardedModule {
   }
 };
 
+using Blocks = std::vector<std::pair<std::string, std::shared_ptr<PyBlock>>>;
+
 /// A Python model as the C++ side sees one: its Blocks at their paths (a Block at "" is the
 /// whole model), its other parameters under their names — so that ztrain::save and load name
 /// every parameter as the model without Blocks would.
-std::shared_ptr<torch::nn::Module> model_view(const std::vector<std::pair<std::string, std::shared_ptr<PyBlock>>>& blocks,
-                                              const NamedTensors& params) {
+std::shared_ptr<torch::nn::Module> model_view(const Blocks& blocks, const NamedTensors& params) {
   if (blocks.size() == 1 && blocks[0].first.empty() && params.empty()) return blocks[0].second;
   auto root = std::make_shared<torch::nn::Module>("Python model");
   for (const auto& [path, block] : blocks) {
@@ -173,8 +174,6 @@ std::shared_ptr<torch::nn::Module> model_view(const std::vector<std::pair<std::s
   }
   return root;
 }
-
-using Blocks = std::vector<std::pair<std::string, std::shared_ptr<PyBlock>>>;
 
 /// The C++ OptimManager over a Python model's view and ztrain's native optimizers.
 class PyOptimManager {
