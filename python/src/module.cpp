@@ -7,6 +7,7 @@
 #include <ztrain/optim/optim_manager.h>
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/zero/distributed_parameter.h>
 #include <ztrain/zero/init_parameters.h>
 #include <ztrain/zero/memory.h>
 #include <ztrain/zero/sharded_module.h>
@@ -15,6 +16,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -146,20 +148,47 @@ class PyBlock : public zt::ShardedModule {
     py::gil_scoped_release release;
     return run(run_python, inputs);
   }
-
-  /// What the optimizer updates: one tensor per (dtype, requires_grad) group.
-  std::vector<torch::Tensor> shards() const {
-    std::vector<torch::Tensor> out;
-    for (const auto& g : groups()) out.push_back(g.shard);
-    return out;
-  }
 };
 
-using Blocks = std::vector<std::pair<std::string, std::shared_ptr<PyBlock>>>;
+/// One parameter of a Python module, sharded outside any Block (ztrain.DistributedParameter):
+/// the C++ DistributedParameter, named by where the model view registers it.
+class PyParameter : public zt::DistributedParameterImpl {
+ public:
+  PyParameter(const torch::Tensor& value, int zero_level)
+      : DistributedParameterImpl(value, {.zero_level = zero_level, .requires_grad = value.requires_grad()}) {}
+  bool named_by_key() const override { return true; }
+};
+
+/// What the optimizer updates: one tensor per (dtype, requires_grad) group.
+std::vector<torch::Tensor> shards(const zt::ShardedModule& module) {
+  std::vector<torch::Tensor> out;
+  for (const auto& g : module.groups()) out.push_back(g.shard);
+  return out;
+}
+
+/// (group, parameter name, offset in the group's shard, elements) of each piece of a wrapped
+/// parameter that this rank's shard holds (every parameter whole at level 0).
+std::vector<std::tuple<size_t, std::string, int64_t, int64_t>> pieces(const zt::ShardedModule& module) {
+  std::vector<std::tuple<size_t, std::string, int64_t, int64_t>> out;
+  for (size_t g = 0; g < module.groups().size(); ++g) {
+    const auto& entries = module.groups()[g].layout.entries();
+    if (!module.policy().shards_optimizer_state) {
+      for (const auto& e : entries) out.emplace_back(g, e.name, e.offset, e.numel);
+      continue;
+    }
+    for (const auto& p : module.groups()[g].layout.pieces(module.context().dp().rank())) {
+      out.emplace_back(g, entries[p.entry].name, p.shard_offset, p.end - p.begin);
+    }
+  }
+  return out;
+}
+
+using Blocks = std::vector<std::pair<std::string, std::shared_ptr<zt::ShardedModule>>>;
 
 /// A Python model as the C++ side sees one: its Blocks at their paths (a Block at "" is the
-/// whole model), its other parameters under their names — so that ztrain::save and load name
-/// every parameter as the model without Blocks would.
+/// whole model), its DistributedParameters at their parameters' names, its other parameters
+/// under their names — so that ztrain::save and load name every parameter as the model without
+/// Blocks would.
 std::shared_ptr<torch::nn::Module> model_view(const Blocks& blocks, const NamedTensors& params) {
   if (blocks.size() == 1 && blocks[0].first.empty() && params.empty()) return blocks[0].second;
   auto root = std::make_shared<torch::nn::Module>("Python model");
@@ -173,6 +202,24 @@ std::shared_ptr<torch::nn::Module> model_view(const Blocks& blocks, const NamedT
     parent->register_parameter(last, tensor, tensor.requires_grad());
   }
   return root;
+}
+
+/// A communicator of the default context by name.
+zt::Communicator& group_named(const std::string& group) {
+  auto& c = zt::default_context();
+  if (group == "world") return c.world();
+  if (group == "dp") return c.dp();
+  if (group == "tp") return c.tp();
+  ZTRAIN_CHECK(group == "pp", "unknown group '", group, "': world, dp, tp or pp");
+  return c.pp();
+}
+
+zt::ReduceOp reduce_op(const std::string& op) {
+  if (op == "sum") return zt::ReduceOp::kSum;
+  if (op == "avg") return zt::ReduceOp::kAvg;
+  if (op == "max") return zt::ReduceOp::kMax;
+  ZTRAIN_CHECK(op == "min", "unknown reduction '", op, "': sum, avg, max or min");
+  return zt::ReduceOp::kMin;
 }
 
 /// The C++ OptimManager over a Python model's view and ztrain's native optimizers.
@@ -225,18 +272,24 @@ PYBIND11_MODULE(_C, m) {
   m.def("sum_loss", [](const torch::Tensor& loss) { return zt::sum_loss(loss); }, release());
   m.def("abort_distributed", [](int code) { zt::abort_distributed(code); });
 
-  py::class_<PyBlock, std::shared_ptr<PyBlock>>(m, "_Block")
+  py::class_<zt::ShardedModule, std::shared_ptr<zt::ShardedModule>>(m, "_Sharded")
+      .def("shards", &shards)
+      .def("pieces", &pieces)
+      .def("train", [](zt::ShardedModule& b, bool on) { b.train(on); })
+      .def("gathered_parameters", [](zt::ShardedModule& b) { return zt::gathered_parameters(b); }, release())
+      .def("parameter_bytes", &zt::ShardedModule::parameter_bytes)
+      .def("gathered_bytes", &zt::ShardedModule::gathered_bytes);
+  py::class_<PyBlock, zt::ShardedModule, std::shared_ptr<PyBlock>>(m, "_Block")
       .def(py::init([](const NamedTensors& named, int zero_level, bool use_checkpoint) {
              return std::make_shared<PyBlock>(named, zt::BlockOptions{.zero_level = zero_level,
                                                                        .use_checkpoint = use_checkpoint});
            }),
            release())
-      .def("forward", &PyBlock::forward)
-      .def("shards", &PyBlock::shards)
-      .def("train", [](PyBlock& b, bool on) { b.train(on); })
-      .def("gathered_parameters", [](PyBlock& b) { return zt::gathered_parameters(b); }, release())
-      .def("parameter_bytes", &PyBlock::parameter_bytes)
-      .def("gathered_bytes", &PyBlock::gathered_bytes);
+      .def("forward", &PyBlock::forward);
+  py::class_<PyParameter, zt::ShardedModule, std::shared_ptr<PyParameter>>(m, "_Parameter")
+      .def(py::init([](const torch::Tensor& value, int zero_level) { return std::make_shared<PyParameter>(value, zero_level); }),
+           release())
+      .def("gather", [](PyParameter& p) { return p.forward(); }, release());
   m.def(
       "_link_blocks",
       [](const std::vector<std::shared_ptr<PyBlock>>& blocks, int depth) {
@@ -263,7 +316,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_init_parameters",
       [](const Blocks& blocks, const NamedTensors& params, std::optional<uint64_t> seed,
-         const std::optional<py::function>& init) {
+         const std::optional<py::function>& init, std::optional<std::set<std::string>> only) {
         zt::InitParametersOptions options{.seed = seed};
         if (init) {
           options.init = [fn = keep(*init)](const std::string& name, torch::Tensor& value, at::Generator& gen) {
@@ -271,6 +324,7 @@ PYBIND11_MODULE(_C, m) {
             (*fn)(name, value, gen);
           };
         }
+        if (only) options.select = [only = std::move(*only)](const std::string& name) { return only.contains(name); };
         py::gil_scoped_release release;
         zt::init_parameters(*model_view(blocks, params), options);
       });
@@ -286,6 +340,41 @@ PYBIND11_MODULE(_C, m) {
         zt::load(*model_view(blocks, params), path, {.strict = strict});
       },
       release());
+
+  m.def(
+      "_parameter_shapes",
+      [](const Blocks& blocks, const NamedTensors& params) {
+        std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+        for (const auto& ref : zt::named_parameter_refs(*model_view(blocks, params))) out.emplace_back(ref.name, ref.full_shape());
+        return out;
+      },
+      release());
+  m.def(
+      "_gathered_parameters",
+      [](const Blocks& blocks, const NamedTensors& params) { return zt::gathered_parameters(*model_view(blocks, params)); },
+      release());
+
+  // Collectives over a group of the default context, without autograd (ztrain.distributed adds it).
+  m.def(
+      "_all_reduce",
+      [](const torch::Tensor& t, const std::string& op, const std::string& group) {
+        group_named(group).all_reduce(t, reduce_op(op));
+      },
+      release());
+  m.def(
+      "_all_gather", [](const torch::Tensor& t, const std::string& group) { return group_named(group).all_gather(t); },
+      release());
+  m.def(
+      "_reduce_scatter",
+      [](const torch::Tensor& t, const std::string& op, const std::string& group) {
+        return group_named(group).reduce_scatter(t, reduce_op(op));
+      },
+      release());
+  m.def(
+      "_broadcast", [](const torch::Tensor& t, int root, const std::string& group) { group_named(group).broadcast(t, root); },
+      release());
+  m.def("_group_rank", [](const std::string& group) { return group_named(group).rank(); });
+  m.def("_group_size", [](const std::string& group) { return group_named(group).size(); });
 
   py::class_<PyOptimManager>(m, "_OptimManager")
       .def(py::init([](const Blocks& blocks, const NamedTensors& params, std::optional<double> loss_scale,

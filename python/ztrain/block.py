@@ -15,22 +15,43 @@ over the data-parallel group while backward goes on, and have landed when backwa
 import torch
 
 from . import _C
+from .parameter import DistributedParameter
 
 
 def native_view(model):
     """How the C++ side sees a Python model: its Blocks with their paths ("" for a model that is
-    one Block), and its other parameters by name."""
-    blocks = [(name, m._native) for name, m in model.named_modules() if isinstance(m, Block)]
-    inside = [name + "." for name, _ in blocks if name]
-    whole = any(name == "" for name, _ in blocks)
-    params = [] if whole else [(name, p) for name, p in model.named_parameters()
-                               if not any(name.startswith(prefix) for prefix in inside)]
-    return blocks, params
+    one Block) and its DistributedParameters with their names (the engine's sharded modules),
+    and its other parameters by name."""
+    sharded = [(name, m._native) for name, m in model.named_modules() if isinstance(m, Block)]
+    inside = [name + "." for name, _ in sharded if name]
+    if any(name == "" for name, _ in sharded):
+        return sharded, []
+    params = []
+    for name, p in model.named_parameters():
+        if any(name.startswith(prefix) for prefix in inside):
+            continue
+        if isinstance(p, DistributedParameter):
+            sharded.append((name, p._native))
+        else:
+            params.append((name, p))
+    return sharded, params
+
+
+def _take_full_values(module):
+    """Replaces every DistributedParameter below `module` by a Parameter of its full value
+    (collective), keeping its attributes."""
+    for _, m in module.named_modules():
+        for name, p in list(m._parameters.items()):
+            if isinstance(p, DistributedParameter):
+                full = torch.nn.Parameter(p.full_value().view(p.full_shape), requires_grad=p.requires_grad)
+                full.__dict__.update({k: v for k, v in p.__dict__.items() if k not in ("_native", "full_shape")})
+                m._parameters[name] = full
 
 
 class Block(torch.nn.Module):
     def __init__(self, module, zero_level=3, use_checkpoint=True):
         super().__init__()
+        _take_full_values(module)
         named = list(module.named_parameters())
         self._native = _C._Block(named, zero_level, use_checkpoint)
         # Not a submodule: its parameters are views of the engine's buffers, not what is trained.
@@ -40,6 +61,7 @@ class Block(torch.nn.Module):
             # The engine reduces gradients into this very tensor, so it becomes a Parameter in
             # place (Parameter(shard) would make another tensor over the same memory).
             shard.__class__ = torch.nn.Parameter
+            shard._native = self._native  # which engine module owns it
             self.register_parameter(f"zero_shard_{index}", shard)
 
     def forward(self, *args, **kwargs):

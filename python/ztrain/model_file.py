@@ -30,7 +30,7 @@ def init_parameters(model, seed=None, init=None):
     what it holds. The default rule is GPT-2's: N(0, 0.02²) for weights of two or more
     dimensions, zero for names ending in "bias", one for other one-dimensional parameters.
     `init(name, tensor, generator)` replaces it, filling the fp32 tensor in place."""
-    _C._init_parameters(*native_view(model), seed, init)
+    _C._init_parameters(*native_view(model), seed, init, None)
 
 
 def memory_stats(model, optimizer=None):
@@ -42,3 +42,33 @@ def memory_stats(model, optimizer=None):
     if optimizer is not None and not isinstance(optimizer, _NativeAdam):
         raise _C.Error(f"memory_stats: counts the state of ztrain.optim optimizers, got {type(optimizer).__name__}")
     return _C._memory_stats(*native_view(model), optimizer._native if optimizer is not None else None)
+
+
+def state_dict(model):
+    """{name: full tensor} of every parameter of `model`, named as ztrain.save names them
+    (collective: Blocks and DistributedParameters are gathered one at a time); the same dict on
+    every rank."""
+    return dict(_C._gathered_parameters(*native_view(model)))
+
+
+def load_state_dict(model, state_dict, strict=True):
+    """Writes full tensors, named as state_dict() names them, into `model`'s parameters: each rank
+    keeps what it holds (every rank passes the same values; no communication). strict: a
+    parameter the dict lacks, or an entry the model lacks, is an error. A shape that differs is
+    always one."""
+    blocks, params = native_view(model)
+    shapes = {name: tuple(shape) for name, shape in _C._parameter_shapes(blocks, params)}
+    missing = sorted(set(shapes) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(shapes))
+    if strict and (missing or unexpected):
+        raise _C.Error(f"load_state_dict: the model's parameters {missing} are not in the dict, and its entries "
+                       f"{unexpected} are not parameters of the model")
+    for name in set(shapes) & set(state_dict):
+        if tuple(state_dict[name].shape) != shapes[name]:
+            raise _C.Error(f"load_state_dict: '{name}' is {tuple(state_dict[name].shape)} in the dict, "
+                           f"{shapes[name]} in the model")
+
+    def copy(name, value, generator):
+        value.copy_(state_dict[name])
+
+    _C._init_parameters(blocks, params, None, copy, set(shapes) & set(state_dict))

@@ -47,6 +47,7 @@ void init_parameters(torch::nn::Module& module, const InitParametersOptions& opt
   const uint64_t seed = options.seed.value_or(context ? context->seed() : 0);
   torch::NoGradGuard no_grad;
   for (const auto& ref : named_parameter_refs(module)) {
+    if (options.select && !options.select(ref.name)) continue;
     at::Generator gen = at::detail::createCPUGenerator(rng::derive(rng::shared_seed(seed), {name_hash(ref.name)}));
     const auto shape = ref.full_shape();
     auto value = torch::empty(shape, torch::kFloat32);

@@ -572,7 +572,16 @@ void collect(torch::nn::Module& module, const std::string& prefix, std::vector<N
                    .dtype = item.value().scalar_type(), .tensor = item.value(),
                    .split = record ? record->tp_split : std::nullopt, .tp_group = record ? record->tp_group : nullptr});
   }
-  for (const auto& child : module.named_children()) collect(*child.value(), prefix + child.key() + ".", out);
+  for (const auto& child : module.named_children()) {
+    const size_t first = out.size();
+    collect(*child.value(), prefix + child.key() + ".", out);
+    const auto* sharded = dynamic_cast<const ShardedModule*>(child.value().get());
+    if (sharded && sharded->named_by_key()) {
+      ZTRAIN_CHECK(out.size() == first + 1, "a module named by its key '", prefix, child.key(), "' holds ",
+                   out.size() - first, " parameters, not one");
+      out.back().name = prefix + child.key();
+    }
+  }
 }
 }  // namespace
 

@@ -38,6 +38,8 @@ struct InitParametersOptions {
   /// Not set: the seed given to init_distributed (or 0 without a runtime).
   std::optional<uint64_t> seed;
   ParameterInit init = gpt2_init;
+  /// Which parameters to initialise, by name; not set: every one. The others keep their values.
+  std::function<bool(const std::string& name)> select;
 };
 
 void init_parameters(torch::nn::Module& module, const InitParametersOptions& options = {});

@@ -130,6 +130,11 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
 
   void train(bool on = true) override;
 
+  /// Whether it stands for one parameter of its parent, named by the key it is registered under
+  /// (Python's DistributedParameter): checkpoints and initialisation then call that parameter
+  /// "<parent path>.<key>", not "<parent path>.<key>.<its own name>".
+  virtual bool named_by_key() const { return false; }
+
  protected:
   /// Collective over the dp group. `kind` names the module in errors ("Block", …).
   ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind);

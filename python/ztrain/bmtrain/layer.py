@@ -1,0 +1,165 @@
+"""BMTrain's model vocabulary on ztrain's engine: DistributedParameter, ParameterInitializer,
+DistributedModule, Block (CheckpointBlock), TransformerBlockList."""
+import collections
+
+import torch
+
+from .. import _C
+from .. import block as _block
+from .. import parameter as _parameter
+from .global_var import config
+
+
+def _require_init(who):
+    if not config["initialized"]:
+        raise _C.Error(f"{who}: ztrain.bmtrain is not initialized; call bmt.init_distributed() first")
+
+
+class DistributedParameter(_parameter.DistributedParameter):
+    """BMTrain's DistributedParameter: sharded over the data-parallel group at construction
+    (collective), gathered where a DistributedModule reads it, taken whole into a Block that
+    wraps its module. `init_method(tensor)` fills the full tensor in bmt.init_parameters."""
+
+    def __new__(cls, data, requires_grad=True, init_method=None, group=None, tp_mode=False, tp_split_dim=-1):
+        _require_init("DistributedParameter")
+        p = super().__new__(cls, data, requires_grad=requires_grad, zero_level=2)
+        p._init_method = init_method
+        p._group = group
+        p._in_block = False
+        p._tp_mode = tp_mode
+        p._tp_split_dim = tp_split_dim
+        return p
+
+    @property
+    def group(self):
+        return self._group
+
+    def gather_all(self):
+        return self.gather()
+
+    def tp_gather(self):
+        return self
+
+
+class ParameterInitializer:
+    """`func(tensor, *args, **kwargs)` as an init_method, as functools.partial."""
+
+    def __init__(self, func, *args, **kwargs):
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+
+    def __call__(self, param):
+        return self.func(param, *self.args, **self.kwargs)
+
+
+class DistributedModule(torch.nn.Module):
+    """A torch.nn.Module whose DistributedParameters read as their full values; state_dict and
+    load_state_dict take and give full tensors under the names of the model without Blocks."""
+
+    def __getattr__(self, name):
+        value = super().__getattr__(name)
+        if isinstance(value, _parameter.DistributedParameter):
+            return value.gather()
+        return value
+
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        out = collections.OrderedDict() if destination is None else destination
+        for name, value in model_state(self).items():
+            out[prefix + name] = value
+        return out
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        return load_model_state(self, state_dict, strict)
+
+
+def _persistent_buffers(module, prefix):
+    for name, buffer in module._buffers.items():
+        if buffer is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, buffer
+
+
+def named_buffers(model):
+    """The persistent buffers of `model`, Blocks' modules included, by the plain model's names."""
+    for path, m in model.named_modules():
+        prefix = path + "." if path else ""
+        yield from _persistent_buffers(m, prefix)
+        if isinstance(m, _block.Block):
+            for sub, inner in m.module.named_modules():
+                yield from _persistent_buffers(inner, prefix + (sub + "." if sub else ""))
+
+
+def model_state(model):
+    """Every parameter (full) and persistent buffer of `model` (collective)."""
+    from ..model_file import state_dict
+    out = collections.OrderedDict(state_dict(model))
+    for name, buffer in named_buffers(model):
+        out[name] = buffer.detach().clone()
+    return out
+
+
+def load_model_state(model, state, strict=True):
+    """Loads a dict of full tensors into `model` (every rank passes the same dict)."""
+    from ..model_file import load_state_dict
+    buffers = dict(named_buffers(model))
+    params = {k: v for k, v in state.items() if k not in buffers}
+    load_state_dict(model, params, strict)
+    with torch.no_grad():
+        for name, buffer in buffers.items():
+            if name in state:
+                buffer.copy_(state[name])
+            elif strict:
+                raise _C.Error(f"load_state_dict: the buffer '{name}' is not in the dict")
+    return torch.nn.modules.module._IncompatibleKeys([], [])
+
+
+class Block(_block.Block):
+    """BMTrain's Block (CheckpointBlock): the module's parameters in ZeRO buffers (level 2 or 3,
+    ztrain also takes 0 and 1), its forward recomputed in backward when use_checkpoint.
+    Attributes of the wrapped module read through the Block."""
+
+    def __init__(self, inner_module, use_checkpoint=True, zero_level=3, initialized=False, mode="BLOCK"):
+        _require_init("Block")
+        if mode != "BLOCK":
+            raise _C.Error(f"Block(mode={mode!r}): pipeline blocks are not available in ztrain.bmtrain yet")
+        super().__init__(inner_module, zero_level=zero_level, use_checkpoint=use_checkpoint)
+        for p in inner_module.parameters():
+            p._in_block = True
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+
+CheckpointBlock = Block
+
+
+class TransformerBlockList(_block.BlockList):
+    """BMTrain's TransformerBlockList: blocks in sequence, each gathering the next one's
+    parameters while it computes. forward(*args): the first num_hidden arguments are the hidden
+    states, replaced by each block's outputs; the others are passed to every block.
+    return_hidden_states=True also returns each hidden state's inputs to the blocks, stacked."""
+
+    def __init__(self, modules, num_hidden=1):
+        super().__init__([m if isinstance(m, _block.Block) else Block(m) for m in modules])
+        self.num_hidden = num_hidden
+
+    def forward(self, *args, return_hidden_states=False):
+        hidden_states = []
+        outputs = args[:self.num_hidden]
+        for block in self:
+            if return_hidden_states:
+                hidden_states.extend(args[:self.num_hidden])
+            outputs = block(*args)
+            if not isinstance(outputs, tuple):
+                outputs = (outputs,)
+            args = outputs + args[self.num_hidden:]
+        if return_hidden_states:
+            stacked = [torch.stack(hidden_states[i::self.num_hidden], dim=0) for i in range(self.num_hidden)]
+            return tuple(outputs) + tuple(stacked)
+        return tuple(outputs[:self.num_hidden]) if self.num_hidden > 1 else outputs[0]
