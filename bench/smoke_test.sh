@@ -3,7 +3,8 @@
 #
 # The run_all tooling in seconds (a CTest, not a benchmark): gpt_bench on 2 ranks for one step
 # of the small GPT at ZeRO levels 0 and 3, the PyTorch peer's model against gpt_reference.py, one
-# DDP step on 1 rank and one FSDP2 step on 2, then report.py on the results. Fails unless the
+# DDP step on 1 rank and one FSDP2 step on 2, one python_bench step on 2 ranks (where the Python
+# package is built), then report.py on the results. Fails unless the
 # bytes sent per step equal the theory (ring collectives: 2(N-1)/N or 3(N-1)/N of the parameter
 # bytes) and the model state equals ztrain's formula, FSDP2 holds a shard of the parameters, and
 # the section and plots are written.
@@ -21,9 +22,16 @@ done
   --json "$work/results.jsonl" --tag peer >/dev/null
 "$python" "$here/peer_torch.py" --system fsdp2 --ranks 2 --preset tiny --batch 1 --seq 16 --steps 1 --warmup 0 \
   --data "$data" --json "$work/results.jsonl" --tag peer >/dev/null
-"$python" - "$work/results.jsonl" <<'EOF'
-import json, sys
+# The same GPT from Python (bench/python_bench.py), where the package was built beside gpt_bench.
+package=$(cd "$(dirname "$gpt")/.." && pwd)/python
+if [[ -d $package/ztrain ]]; then
+  PYTHONPATH=$package "$mpiexec" -np 2 --oversubscribe --bind-to none -x PYTHONPATH "$python" "$here/python_bench.py" \
+    --level 3 --preset tiny --batch 1 --seq 16 --steps 1 --warmup 1 --data "$data" --json "$work/python.jsonl" >/dev/null
+fi
+"$python" - "$work/results.jsonl" "$work/python.jsonl" <<'EOF'
+import json, os, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+python = [json.loads(l) for l in open(sys.argv[2])] if os.path.exists(sys.argv[2]) else []
 ours = [r for r in rows if r["system"] == "ztrain"]
 assert len(ours) == 2 and len(rows) == 4, f"expected 2 gpt_bench and 2 peer results, got {len(rows)}"
 fsdp2 = next(r for r in rows if r["system"] == "fsdp2")
@@ -37,6 +45,10 @@ for r in ours:
     state, formula = r["memory"]["model_state"], r["formula"]["design"]["model_state"]
     assert abs(state / formula - 1) < 1e-3, f"level {r['level']}: model state {state}, formula {formula}"
     print(f"level {r['level']}: {sent:.0f} bytes sent per step (theory {theory:.0f}), model state {state:.0f} bytes")
+peer_tiny = next(r for r in rows if r["system"] == "ddp")
+for r in python:
+    assert r["params"] == peer_tiny["params"] and r["tokens_per_s"] > 0, f"python_bench: {r}"
+    print(f"python_bench: {r['params']} parameters, {r['tokens_per_s']:.0f} tokens/s")
 EOF
 "$python" "$here/report.py" --results "$work" --print --img "$work/img" >"$work/section.md"
 grep -q "Throughput against PyTorch" "$work/section.md"
