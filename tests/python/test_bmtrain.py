@@ -6,6 +6,8 @@ state dict and bmt.load reads it back; inspect sees the parameters, gradients an
 tensors of the whole model."""
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -212,6 +214,25 @@ class BMTrainGPT(unittest.TestCase):
         if bmt.rank() == 0:
             os.remove(path)
             os.remove(path + ".bad")
+
+
+class RunUnchanged(unittest.TestCase):
+    @unittest.skipUnless(os.environ.get("ZTRAIN_TEST_WORLD_SIZE", "1") == "1", "starts a job of its own")
+    def test_a_script_that_imports_bmtrain(self):
+        script = os.path.join(tempfile.mkdtemp(), "train.py")
+        with open(script, "w") as f:
+            f.write("import torch, bmtrain as bmt\n"
+                    "from bmtrain.global_var import config\n"
+                    "from bmtrain.nn import Linear\n"
+                    "bmt.init_distributed(seed=1)\n"
+                    "layer = bmt.Block(Linear(4, 2))\n"
+                    "bmt.init_parameters(layer)\n"
+                    "assert config is bmt.config and config['initialized'] and bmt.nn.Linear is Linear\n"
+                    "bmt.print_rank('ran', tuple(layer(torch.ones(3, 4)).shape))\n")
+        out = subprocess.run([sys.executable, "-m", "ztrain.bmtrain", script], capture_output=True, text=True,
+                             timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("ran (3, 2)", out.stdout)
 
 
 if __name__ == "__main__":
