@@ -216,6 +216,59 @@ class BMTrainGPT(unittest.TestCase):
             os.remove(path + ".bad")
 
 
+class Pieces(unittest.TestCase):
+    def test_adam_optimizer_is_coupled_adam_for_fp32_and_holds(self):
+        torch.manual_seed(0)
+        w0 = torch.randn(6, 5)
+        mine, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+        opt = bmt.optim.AdamOptimizer([mine], lr=0.1, weight_decay=0.05, hold_steps=2)
+        torch_opt = torch.optim.Adam([ref], lr=0.1, weight_decay=0.05)
+        for step in range(6):
+            for p in (mine, ref):
+                p.grad = torch.full_like(p, 0.3) + p.detach() * 0.1
+            opt.step()
+            torch_opt.param_groups[0]["lr"] = 0.0 if step < 2 else 0.1  # held steps move the moments only
+            torch_opt.step()
+            if step < 2:
+                self.assertTrue(torch.equal(mine.detach(), w0), "hold_steps: no update yet")
+        self.assertFalse(torch.equal(mine.detach(), w0))
+        torch.testing.assert_close(mine.detach(), ref.detach(), atol=1e-6, rtol=1e-5)
+
+    def test_schedules_follow_bmtrain(self):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        noam = bmt.lr_scheduler.Noam(opt, start_lr=0.4, warmup_iter=4, end_iter=10, num_iter=0)
+        lrs = []
+        for _ in range(6):
+            lrs.append(noam.current_lr)
+            noam.step()
+        self.assertEqual(lrs[:4], [0.4 / 2 * i / 4 for i in range(4)])
+        self.assertAlmostEqual(lrs[5], 0.4 / math.sqrt(5))
+        self.assertEqual(opt.param_groups[0]["lr"], noam.current_lr)
+        cosine = bmt.lr_scheduler.Cosine(opt, start_lr=1.0, warmup_iter=2, end_iter=6, num_iter=4)
+        self.assertAlmostEqual(cosine.current_lr, 0.5)
+        self.assertEqual(bmt.lr_scheduler.Linear(opt, 1.0, 2, 6, 5).current_lr, 0.25)
+        self.assertAlmostEqual(bmt.lr_scheduler.Exponential(opt, 1.0, 0, 6, 2, gamma=0.5).current_lr, 0.25)
+        self.assertEqual(bmt.lr_scheduler.NoDecay(opt, 1.0, 2, 6, 1).current_lr, 0.5)
+        state = noam.state_dict()
+        again = bmt.lr_scheduler.Noam(opt, start_lr=0.1, warmup_iter=1, end_iter=2)
+        again.load_state_dict(state)
+        self.assertEqual(again.current_lr, noam.current_lr)
+
+    def test_fused_cross_entropy_and_recorder(self):
+        logits = torch.randn(10, 7).half().requires_grad_()
+        target = torch.tensor([0, 1, 2, -100, 4, 5, 6, 0, 1, 2])
+        loss = bmt.loss.FusedCrossEntropy(ignore_index=-100)(logits, target)
+        self.assertEqual(loss.dtype, torch.float32)
+        self.assertAlmostEqual(loss.item(), F.cross_entropy(logits.float(), target).item(), places=6)
+        loss.backward()
+        self.assertEqual(logits.grad.dtype, torch.float16)
+        recorder = bmt.utils.AverageRecorder(alpha=0.5)
+        recorder.record(4.0)
+        self.assertEqual(recorder.value, 4.0)
+        recorder.record(2.0)
+        self.assertAlmostEqual(recorder.value, (0.5 * 4.0 * 0.5 + 0.5 * 2.0) / (1 - 0.25))
+
+
 class RunUnchanged(unittest.TestCase):
     @unittest.skipUnless(os.environ.get("ZTRAIN_TEST_WORLD_SIZE", "1") == "1", "starts a job of its own")
     def test_a_script_that_imports_bmtrain(self):
