@@ -1,7 +1,7 @@
 # One helper registers every test.
 #
 #   ztrain_add_test(NAME comm_test SOURCES a.cpp b.cpp [RANKS 1 2 4] [TIMEOUT 120] [LABELS ...]
-#                   [NO_INIT] [GPU])
+#                   [NO_INIT] [GPU] [NCCL])
 #
 # Builds an executable from SOURCES (linked with GoogleTest and the shared MPI-aware test main)
 # and registers it with CTest. Without RANKS it is a unit test run as a plain process (world size
@@ -10,8 +10,12 @@
 # get it, so a launcher mistake can never pass silently. NO_INIT leaves init_distributed to the
 # test itself (tests of initialisation). GPU registers every launch once more as NAME[.npN].cuda
 # with ZTRAIN_DEVICE=cuda (the runtime's device; several ranks share the GPUs there are) and the
-# label gpu: `ctest -L gpu` (scripts/gpu_check.sh). Where no CUDA device is visible those report
-# as skipped, never as passed.
+# label gpu: `ctest -L gpu` (scripts/gpu_check.sh). NCCL (in builds with the nccl backend)
+# registers each multi-rank launch once more as NAME.npN.nccl, on the GPU with
+# ZTRAIN_BACKEND=nccl and the labels gpu and nccl; each rank gets its own NCCL_HOSTID
+# (tests/support/nccl_rank.sh), so that ranks sharing one GPU — as on a one-GPU test machine —
+# may form an NCCL communicator. Where no CUDA device is visible those report as skipped, never
+# as passed.
 include_guard(GLOBAL)
 
 find_package(GTest REQUIRED)
@@ -27,7 +31,7 @@ set(ZTRAIN_TEST_ENV
 set(ZTRAIN_MPIEXEC_FLAGS --oversubscribe --bind-to none)
 
 function(ztrain_add_test)
-  cmake_parse_arguments(T "NO_INIT;GPU" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;ARGS" ${ARGN})
+  cmake_parse_arguments(T "NO_INIT;GPU;NCCL" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;ARGS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
@@ -44,18 +48,28 @@ function(ztrain_add_test)
   if(T_GPU)
     list(APPEND devices cuda)
   endif()
+  if(T_NCCL AND ZTRAIN_HAS_NCCL)
+    list(APPEND devices nccl)
+  endif()
   foreach(device IN LISTS devices)
     set(suffix "")
     set(env "")
     set(labels "${T_LABELS}")
     set(skip "")
+    set(wrapper "")
     if(device STREQUAL "cuda")
       set(suffix ".cuda")
       set(env ";ZTRAIN_DEVICE=cuda")
       list(APPEND labels gpu)
       set(skip SKIP_REGULAR_EXPRESSION "sees no CUDA device")
+    elseif(device STREQUAL "nccl")
+      set(suffix ".nccl")
+      set(env ";ZTRAIN_DEVICE=cuda;ZTRAIN_BACKEND=nccl")
+      list(APPEND labels gpu nccl)
+      set(skip SKIP_REGULAR_EXPRESSION "sees no CUDA device")
+      set(wrapper ${PROJECT_SOURCE_DIR}/tests/support/nccl_rank.sh)
     endif()
-    if(NOT T_RANKS)
+    if(NOT T_RANKS AND NOT device STREQUAL "nccl")
       add_test(NAME ${T_NAME}${suffix} COMMAND ${T_NAME} ${T_ARGS})
       set_tests_properties(${T_NAME}${suffix} PROPERTIES
         TIMEOUT ${T_TIMEOUT} LABELS "unit;${labels}"
@@ -63,7 +77,7 @@ function(ztrain_add_test)
     endif()
     foreach(n IN LISTS T_RANKS)
       add_test(NAME ${T_NAME}.np${n}${suffix}
-        COMMAND ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
+        COMMAND ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} ${wrapper} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
       set_tests_properties(${T_NAME}.np${n}${suffix} PROPERTIES
         TIMEOUT ${T_TIMEOUT} LABELS "mpi;${labels}" PROCESSORS ${n}
         ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=${n}${env}" ${skip})

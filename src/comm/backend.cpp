@@ -2,6 +2,9 @@
 
 #include "deadline.h"
 #include "mpi/startup.h"
+#if ZTRAIN_HAS_NCCL
+#include "nccl/startup.h"
+#endif
 
 #include <sstream>
 
@@ -11,8 +14,11 @@ namespace {
 
 struct Backend {
   const char* name;
-  /// Starts the backend if needed and begins creating this process's world transport.
-  std::unique_ptr<PendingTransport> (*world)();
+  /// Starts the backend if needed and begins creating this process's world transport, which
+  /// moves tensors on `device` where the backend binds one.
+  std::unique_ptr<PendingTransport> (*world)(c10::Device device);
+  /// Whether the transport moves one device's memory, chosen at creation (NCCL's).
+  bool binds_device;
   void (*shutdown)();
   /// Ends every process of the job, if the backend is running (returns otherwise).
   void (*abort)(int exit_code);
@@ -20,8 +26,25 @@ struct Backend {
 
 // The backends of this build. A constant table: nothing registers at run time.
 constexpr Backend kBackends[] = {
-    {"mpi", &detail::mpi_world, &detail::shutdown_mpi, &detail::abort_mpi},
+    {"mpi", [](c10::Device) { return detail::mpi_world(); }, false, &detail::shutdown_mpi, &detail::abort_mpi},
+#if ZTRAIN_HAS_NCCL
+    // MPI underneath, shut down and aborted by its own row; each NCCL communicator goes with its
+    // transport.
+    {"nccl", &detail::nccl_world, true, [] {}, [](int) {}},
+#endif
 };
+
+const Backend& find_backend(const std::string& name) {
+  for (const auto& b : kBackends) {
+    if (name == b.name) return b;
+  }
+  std::ostringstream names;
+  for (const auto& b : kBackends) names << " " << b.name;
+  ZTRAIN_CHECK(name != "nccl", "the nccl backend is not in this build of ztrain (it needs a libtorch with CUDA, and "
+               "NCCL's nccl.h and libnccl where CMake looks: beside PyTorch or in the CUDA toolkit); this build "
+               "has:", names.str());
+  ZTRAIN_CHECK(false, "unknown communicator backend '", name, "'; this build has:", names.str());
+}
 
 }  // namespace
 
@@ -31,22 +54,17 @@ std::vector<std::string> communicator_backends() {
   return out;
 }
 
-std::unique_ptr<Communicator> make_world_communicator(const std::string& backend, CommunicatorOptions options) {
-  const Backend* found = nullptr;
-  for (const auto& b : kBackends) {
-    if (backend == b.name) found = &b;
-  }
-  if (!found) {
-    std::ostringstream names;
-    for (const auto& b : kBackends) names << " " << b.name;
-    ZTRAIN_CHECK(false, "unknown communicator backend '", backend, "'; this build has:", names.str());
-  }
+bool communicator_backend_binds_device(const std::string& backend) { return find_backend(backend).binds_device; }
+
+std::unique_ptr<Communicator> make_world_communicator(const std::string& backend, CommunicatorOptions options,
+                                                      c10::Device device) {
+  const Backend* found = &find_backend(backend);
   ZTRAIN_CHECK(options.timeout.count() > 0, "communicator timeout must be positive, got ", options.timeout.count(),
                " ms");
   std::unique_ptr<PendingTransport> pending;
   bool done = false;
   try {
-    pending = found->world();
+    pending = found->world(device);
     std::vector<TransportRequest*> requests{pending.get()};
     done = detail::poll_until_done(requests, options.timeout);
   } catch (const TransportFailure& e) {

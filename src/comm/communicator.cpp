@@ -18,7 +18,8 @@
 // ------------
 // Each call validates its tensors (so bad input never leaves a peer blocked), optionally runs
 // the debug agreement check, then picks an algorithm: the transport's own collective for small
-// messages where it has one; from the ring threshold on, the host-shared path where every
+// messages where it has one (for all messages where it runs them on the device, as NCCL's
+// transport does); from the ring threshold on, the host-shared path where every
 // member's buffer allows it (host_shared_collectives.cpp), else the rings (ring.cpp); barriers
 // and broadcasts from point-to-point messages where the transport has no collective for them.
 // Every transport operation is started non-blocking and its request polled here. Polling drives

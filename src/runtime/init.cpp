@@ -78,6 +78,11 @@ bool resolve_hierarchical(const InitOptions& o) {
   return !v || *v != "0";
 }
 
+std::string resolve_backend(const InitOptions& o) {
+  if (o.backend) return *o.backend;
+  return env("ZTRAIN_BACKEND").value_or("mpi");
+}
+
 bool resolve_host_shared_buffers(const InitOptions& o) {
   if (o.host_shared_buffers) return *o.host_shared_buffers;
   auto v = env("ZTRAIN_HOST_SHARED_BUFFERS");
@@ -124,14 +129,24 @@ Runtime::Runtime(const InitOptions& options)
   // Ranks start at different times and make their first connections here: the communicators of
   // the context are made under a deadline of at least kStartupTimeout, then take timeout_.
   const auto startup = std::max<std::chrono::milliseconds>(timeout_, kStartupTimeout);
-  auto world = make_world_communicator(
-      options.backend, {.name = "world", .timeout = startup, .debug = debug_, .hierarchical = resolve_hierarchical(options)});
+  const CommunicatorOptions world_options{
+      .name = "world", .timeout = startup, .debug = debug_, .hierarchical = resolve_hierarchical(options)};
+  // A backend bound to a device (NCCL) is made once the rank's device is known, which takes
+  // the ranks' places on their hosts, found over MPI first.
+  const auto backend = resolve_backend(options);
+  const bool binds_device = communicator_backend_binds_device(backend);
+  auto world = make_world_communicator(binds_device ? "mpi" : backend, world_options);
   const auto host = host_layout(*world);
   local_size_ = host.local_size;
   local_rank_ = host.local_rank;
   threads_ = resolve_threads(options, local_size_);
   const auto device = resolve_rank_device(options, local_rank_);
   set_current_device(device);
+  if (binds_device) {
+    ZTRAIN_CHECK(device.is_cuda(), "the ", backend, " backend moves CUDA tensors, but this rank's device is ", device,
+                 "; set InitOptions::device or ZTRAIN_DEVICE to cuda, or use the mpi backend");
+    world = make_world_communicator(backend, world_options, device);
+  }
   context_ = ParallelContext::create(std::move(world), {.tp_size = options.tp_size,
                                                         .pp_size = options.pp_size,
                                                         .seed = options.seed,

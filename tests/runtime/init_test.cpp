@@ -3,8 +3,11 @@
 // The tests depend on running in this order (gtest keeps definition order).
 #include "test_util.h"
 
+#include <ztrain/comm/backend.h>
+
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 
@@ -54,6 +57,23 @@ TEST(Init, RejectsDevicesItCannotRunOnNamingTheAlternative) {
   unsetenv("ZTRAIN_DEVICE");
   msg = error_message([&] { ztrain::init_distributed({.device = c10::Device(c10::kCUDA, gpus)}); });
   EXPECT_NE(msg.find(gpus == 0 ? "sees no CUDA device" : "does not exist"), std::string::npos) << msg;
+  EXPECT_FALSE(ztrain::is_initialized());
+}
+
+TEST(Init, RejectsBackendsItCannotRunNamingTheAlternative) {
+  auto msg = error_message([&] { ztrain::init_distributed({.backend = "gloo"}); });
+  EXPECT_NE(msg.find("unknown communicator backend 'gloo'; this build has: mpi"), std::string::npos) << msg;
+  setenv("ZTRAIN_BACKEND", "nccl", 1);
+  msg = error_message([&] { ztrain::init_distributed({.device = c10::Device(c10::kCPU)}); });
+  unsetenv("ZTRAIN_BACKEND");
+  const auto backends = ztrain::communicator_backends();
+  if (std::find(backends.begin(), backends.end(), "nccl") != backends.end()) {
+    EXPECT_NE(msg.find("the nccl backend moves CUDA tensors, but this rank's device is cpu"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("or use the mpi backend"), std::string::npos) << msg;
+  } else {
+    EXPECT_NE(msg.find("the nccl backend is not in this build of ztrain"), std::string::npos) << msg;
+  }
   EXPECT_FALSE(ztrain::is_initialized());
 }
 

@@ -193,7 +193,9 @@ class Communicator {
   torch::Tensor stage(const torch::Tensor& t, bool read);
   static void unstage(const torch::Tensor& t, const torch::Tensor& staged);
   void check_point_to_point(const torch::Tensor& tensor, const char* call, const char* role, int peer, int tag);
-  bool large(int64_t bytes) const { return size_ > 1 && bytes >= options_.ring_threshold_bytes; }
+  bool large(int64_t bytes) const {
+    return size_ > 1 && bytes >= options_.ring_threshold_bytes && !transport_->collectives_at_every_size();
+  }
 
   // Waiting with the deadline; a failure makes the communicator unusable (src/comm/communicator.cpp).
   void wait(TransportRequestPtr request, const char* op, int peer);

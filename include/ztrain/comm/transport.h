@@ -96,6 +96,10 @@ class Transport {
   }
   virtual TransportRequestPtr broadcast(const torch::Tensor&, int /*root*/) { return nullptr; }
   virtual TransportRequestPtr barrier() { return nullptr; }
+  /// Whether the communicator should take the collectives above for messages of every size,
+  /// never its own rings or host-shared paths (a backend whose collectives run on the device,
+  /// as NCCL's do).
+  virtual bool collectives_at_every_size() const { return false; }
 
   /// A transport over the same members with its own message space (collective).
   virtual std::unique_ptr<PendingTransport> dup() = 0;

@@ -38,8 +38,9 @@ inline constexpr std::chrono::seconds kStartupTimeout{60};
 
 struct InitOptions {
   uint64_t seed = 0;
-  /// The communicator backend (comm/backend.h).
-  std::string backend = "mpi";
+  /// The communicator backend (comm/backend.h): "mpi", or "nccl" where the build has it (CUDA
+  /// devices only). Not set: ZTRAIN_BACKEND from the environment, else "mpi".
+  std::optional<std::string> backend;
   int tp_size = 1;
   int pp_size = 1;
   /// Intra-op threads per rank. Not set: OMP_NUM_THREADS if the environment sets it, else the
