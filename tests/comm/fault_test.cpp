@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
         std::raise(SIGKILL);
       }).detach();
     }
-    auto t = torch::ones({1 << 20});
+    auto t = torch::ones({1 << 20}, rt.device());
     const bool ok = expect_fault("collective", rt.rank(), [&](auto& last_success) {
       const auto give_up = clock_type::now() + 60s;
       while (clock_type::now() < give_up) {
