@@ -10,6 +10,7 @@
 #
 #   ZTRAIN_DEBS=gpu-debs scripts/gpu_check.sh
 #   scripts/gpu_check.sh -R block_parity        # extra arguments go to ctest
+#   ZTRAIN_GPU_BENCH=0 scripts/gpu_check.sh -L nccl   # the NCCL tests, no benchmarks
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ZTRAIN_BUILD_DIR:-$root/build-gpu}
@@ -65,6 +66,11 @@ set +e
 tests_rc=$?
 set -e
 tail -25 "$log/ctest.log"
+
+if [[ ${ZTRAIN_GPU_BENCH:-1} == 0 ]]; then  # the tests alone
+  grep -E "tests passed|tests failed" "$log/ctest.log" || echo "  ctest printed no summary"
+  exit $tests_rc
+fi
 
 # gpt_bench on the GPU: plain libtorch and ztrain at levels 0 and 3, a GPT-2-124M-sized model in
 # bf16 and the small preset in fp32, on byte data made from the repository's own text; and the

@@ -62,6 +62,16 @@ void check_op(c10::ScalarType t, ReduceOp op, const char* call) {
 /// What the transport reduces with: kAvg is a sum divided afterwards.
 ReduceOp transport_op(ReduceOp op) { return op == ReduceOp::kAvg ? ReduceOp::kSum : op; }
 
+/// kAvg's division, correctly rounded on every device: libtorch's CUDA kernels divide by a
+/// scalar as a product with its reciprocal (5 / 3 lands one unit off), by a device tensor exactly.
+void divide_by_members(const torch::Tensor& t, int members) {
+  if (t.is_cpu()) {
+    t.div_(members);
+  } else {
+    t.div_(torch::full({}, members, t.options()));
+  }
+}
+
 bool overlaps(const torch::Tensor& a, const torch::Tensor& b) {
   auto a0 = static_cast<const char*>(a.data_ptr());
   auto b0 = static_cast<const char*>(b.data_ptr());
@@ -425,7 +435,7 @@ void Communicator::all_reduce(const torch::Tensor& tensor, ReduceOp op) {
   stats_.all_reduce_bytes += tensor.nbytes();
   const auto flat = stage(tensor, true);
   run_all_reduce(flat.view(-1), op, kCall);
-  if (op == ReduceOp::kAvg && size_ > 1) flat.div_(size_);
+  if (op == ReduceOp::kAvg && size_ > 1) divide_by_members(flat, size_);
   unstage(tensor, flat);
 }
 
@@ -467,7 +477,7 @@ void Communicator::reduce_scatter(const torch::Tensor& input, const torch::Tenso
   stats_.reduce_scatter_bytes += input.nbytes();
   const auto staged_output = stage(output, false);
   run_reduce_scatter(stage(input, true), staged_output, op, kCall);
-  if (op == ReduceOp::kAvg && size_ > 1 && output.numel() > 0) staged_output.div_(size_);
+  if (op == ReduceOp::kAvg && size_ > 1 && output.numel() > 0) divide_by_members(staged_output, size_);
   unstage(output, staged_output);
 }
 

@@ -294,7 +294,7 @@ class PendingNcclTransport final : public PendingTransport {
   /// A split of `parent` (collective over its members): MPI's and NCCL's at once.
   PendingNcclTransport(std::unique_ptr<PendingTransport> host, c10::Device device, ncclComm_t parent, int color,
                        int key)
-      : host_pending_(std::move(host)), device_(device) {
+      : host_pending_(std::move(host)), device_(device), parent_(parent) {
     c10::cuda::CUDAGuard on(device_);
     auto config = nonblocking_config();
     check(ncclCommSplit(parent, color, key, &comm_, &config), parent, "ncclCommSplit");
@@ -316,7 +316,9 @@ class PendingNcclTransport final : public PendingTransport {
       id_request_.reset();
       initialise();
     }
-    return comm_ && ready(comm_, "communicator creation");
+    // A split keeps its parent busy until every new communicator is made: the parent is usable
+    // again (for the next split, say) once it reports so.
+    return comm_ && ready(comm_, "communicator creation") && (!parent_ || ready(parent_, "ncclCommSplit"));
   }
 
   std::unique_ptr<Transport> take() override {
@@ -351,6 +353,7 @@ class PendingNcclTransport final : public PendingTransport {
   c10::Device device_;
   torch::Tensor id_;
   TransportRequestPtr id_request_;
+  ncclComm_t parent_ = nullptr;  // of a split, alive while it is made
   ncclComm_t comm_ = nullptr;
 };
 
