@@ -47,6 +47,13 @@ using Clock = std::chrono::steady_clock;
 
 // ---- options -------------------------------------------------------------------------------------
 
+/// Where the ranks run and how they talk; not set: ZTRAIN_DEVICE and ZTRAIN_BACKEND, else the CPU
+/// and MPI.
+struct Placement {
+  std::optional<std::string> device;
+  std::optional<std::string> backend;
+};
+
 struct ModelArgs {
   std::string preset = "small";
   std::optional<int64_t> d_model, layers, heads, context;
@@ -81,24 +88,28 @@ struct TrainArgs {
   std::optional<int64_t> micro_batches;  // with pp: per step (default 2 × pp)
   int chunks = 2;                        // per rank, with the interleaved schedule
   bool offload = false;
-  std::optional<std::string> device;  // not set: ZTRAIN_DEVICE, else the CPU
+  Placement where;
   std::string tensorboard;            // event files' directory; empty: none
 };
 
 const std::vector<std::string> kLrSchedules{"cosine", "linear", "wsd", "constant"};
 const std::vector<std::string> kPipeSchedules{"gpipe", "1f1b", "interleaved"};
 
-void add_device_option(CLI::App* app, std::optional<std::string>& device) {
-  app->add_option("--device", device,
+void add_placement_options(CLI::App* app, Placement& where) {
+  app->add_option("--device", where.device,
                   "cpu, cuda (one device per rank on each host) or cuda:N (default: ZTRAIN_DEVICE, else cpu)");
+  app->add_option("--backend", where.backend,
+                  "communication: mpi, or nccl with --device cuda where the build has it (default: ZTRAIN_BACKEND, "
+                  "else mpi)");
 }
 
-/// init_distributed on --device when given.
-zt::Runtime& start(zt::InitOptions options, const std::optional<std::string>& device) {
-  if (device) {
-    options.device = zt::parse_device(*device, "--device");
+/// init_distributed on --device and --backend when given.
+zt::Runtime& start(zt::InitOptions options, const Placement& where) {
+  if (where.device) {
+    options.device = zt::parse_device(*where.device, "--device");
     zt::resolve_device(*options.device, "--device");  // refused here, naming the option
   }
+  options.backend = where.backend;
   return zt::init_distributed(options);
 }
 
@@ -126,17 +137,18 @@ std::string default_token_cache(const std::string& out) {
   return out + "/tokens";
 }
 
-/// The model's vocabulary for a tokenizer's: rounded up to a multiple of 64 x tp, so that the
-/// embedding splits evenly over tensor-parallel ranks (256 bytes stay 256 up to tp 4). Ids
-/// beyond the tokenizer's are never targets, and sampling leaves them out.
-int64_t model_vocab(int64_t tokenizer_vocab, int tp_size) {
-  const int64_t multiple = 64 * tp_size;
-  return (tokenizer_vocab + multiple - 1) / multiple * multiple;
+/// The model's vocabulary for a tokenizer's: rounded up to a multiple of 64 (whole SIMD rows for
+/// the head's matmul), the same at every tp size, so a model moves between them; Gpt pads it
+/// further where tp does not divide it. Ids beyond the tokenizer's are never targets, and
+/// sampling leaves them out.
+int64_t model_vocab(int64_t tokenizer_vocab) {
+  constexpr int64_t kMultiple = 64;
+  return (tokenizer_vocab + kMultiple - 1) / kMultiple * kMultiple;
 }
 
 GptConfig make_config(const ModelArgs& m, int tp_size = 1, int64_t tokenizer_vocab = 256) {
   auto c = GptConfig::preset(m.preset);
-  c.vocab_size = model_vocab(tokenizer_vocab, tp_size);
+  c.vocab_size = model_vocab(tokenizer_vocab);
   if (m.d_model) c.d_model = *m.d_model;
   if (m.layers) c.n_layer = *m.layers;
   if (m.heads) c.n_head = *m.heads;
@@ -413,7 +425,7 @@ int train(TrainArgs a) {
   ZTRAIN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
   ZTRAIN_CHECK(a.pp > 1 || !a.micro_batches, "--micro-batches needs --pp > 1 (use --grad-accum without pipeline stages)");
   ZTRAIN_CHECK(a.pp == 1 || a.grad_accum == 1, "with --pp, a step's micro-batches are --micro-batches, not --grad-accum");
-  auto& rt = start({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp}, a.device);
+  auto& rt = start({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp}, a.where);
   const int dp = rt.dp().size();
   const auto tokenizer = zt::gpt_app::load_tokenizer(a.tokenizer);
   const auto config = make_config(a.model, a.tp, tokenizer->vocab_size());
@@ -541,7 +553,7 @@ int train(TrainArgs a) {
 struct ModelSource {
   std::string model;
   std::string tokenizer;
-  std::optional<std::string> device;
+  Placement where;
 };
 
 void add_model_source_options(CLI::App* app, ModelSource& m) {
@@ -549,7 +561,7 @@ void add_model_source_options(CLI::App* app, ModelSource& m) {
                                       "GPT-2 directory")
       ->required();
   app->add_option("--tokenizer", m.tokenizer, "the model's tokenizer (default: the one beside the model, else bytes)");
-  add_device_option(app, m.device);
+  add_placement_options(app, m.where);
 }
 
 std::string precise(double v) {
@@ -560,7 +572,7 @@ std::string precise(double v) {
 
 int eval(const ModelSource& m, const std::string& data, const std::string& token_cache, double validation_fraction,
          int64_t seq, int64_t batch, int64_t max_batches) {
-  start({}, m.device);
+  start({}, m.where);
   auto [model, tokenizer] = load_model(m.model, m.tokenizer);
   const auto corpus = load_corpus(data, *tokenizer, validation_fraction, token_cache.empty() ? default_token_cache(".") : token_cache);
   const auto v = evaluate(*model, [&](const torch::Tensor& b) { return model->loss(b); }, corpus, tokenizer->byte_lengths(),
@@ -580,7 +592,7 @@ std::string read_text(const std::string& path) {
 /// context + 1 tokens overlapping by one, so every token after the first is predicted once, from
 /// the preceding tokens of its window. Also per byte of the text the predicted tokens stand for.
 int score(const ModelSource& m, const std::string& input, const std::string& logits_path) {
-  auto& rt = start({}, m.device);
+  auto& rt = start({}, m.where);
   auto [model, tokenizer] = load_model(m.model, m.tokenizer);
   const std::string text = read_text(input);
   const auto ids = tokenizer->encode(text);
@@ -609,7 +621,7 @@ int score(const ModelSource& m, const std::string& input, const std::string& log
 }
 
 int sample(const ModelSource& m, const std::string& prompt, int64_t n, double temperature, int64_t top_k, uint64_t seed) {
-  auto& rt = start({}, m.device);
+  auto& rt = start({}, m.where);
   auto [model, tokenizer] = load_model(m.model, m.tokenizer);
   ZTRAIN_CHECK(temperature > 0, "--temperature must be > 0");
   auto gen = at::detail::createCPUGenerator(seed);
@@ -759,7 +771,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--micro-batches", t.micro_batches,
                         "with --pp: micro-batches of --batch sequences per step (default 2 x pp)");
   train_cmd->add_option("--chunks", t.chunks, "with --schedule interleaved: model chunks per rank")->capture_default_str();
-  add_device_option(train_cmd, t.device);
+  add_placement_options(train_cmd, t.where);
   train_cmd->add_option("--tensorboard", t.tensorboard,
                         "also write the metrics as TensorBoard event files into this directory");
 

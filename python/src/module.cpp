@@ -251,8 +251,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "init_distributed",
       [](uint64_t seed, int tp_size, int pp_size, std::optional<double> timeout, std::optional<std::string> device,
-         std::optional<int> threads) {
-        zt::InitOptions o{.seed = seed, .tp_size = tp_size, .pp_size = pp_size, .threads = threads};
+         std::optional<int> threads, std::optional<std::string> backend) {
+        zt::InitOptions o{.seed = seed, .backend = backend, .tp_size = tp_size, .pp_size = pp_size, .threads = threads};
         if (timeout) {
           ZTRAIN_CHECK(*timeout > 0, "init_distributed: timeout must be positive seconds, got ", *timeout);
           o.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout * 1000));
@@ -261,7 +261,7 @@ PYBIND11_MODULE(_C, m) {
         zt::init_distributed(o);
       },
       py::arg("seed"), py::arg("tp_size"), py::arg("pp_size"), py::arg("timeout"), py::arg("device"),
-      py::arg("threads"), release());
+      py::arg("threads"), py::arg("backend"), release());
   m.def("is_initialized", &zt::is_initialized);
   m.def("finalize_distributed", &zt::finalize_distributed, release());
   m.def("rank", [] { return zt::rank(); });

@@ -28,16 +28,17 @@ __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize
            "memory_stats"]
 
 
-def init_distributed(seed=0, tp_size=1, pp_size=1, timeout=None, device=None, threads=None):
+def init_distributed(seed=0, tp_size=1, pp_size=1, timeout=None, device=None, threads=None, backend=None):
     """Starts the runtime over every process of the job (collective): MPI, the parallel
     layout (tp × pp × dp), this rank's device ("cpu", "cuda", "cuda:N"; default ZTRAIN_DEVICE,
-    else the CPU), the deadline of every communication wait in seconds (default
+    else the CPU), the communication backend ("mpi", or "nccl" on CUDA devices where the build
+    has it; default ZTRAIN_BACKEND, else "mpi"), the deadline of every communication wait in seconds (default
     ZTRAIN_TIMEOUT_S, else 300) and the intra-op threads (default OMP_NUM_THREADS, else the
     host's cores divided by its ranks). Seeds torch's generators with `seed`.
 
     An exception no one catches on one rank ends the whole job (the others would wait for it
     until their deadline); the runtime is finalised at exit."""
-    _C.init_distributed(seed, tp_size, pp_size, timeout, device, threads)
+    _C.init_distributed(seed, tp_size, pp_size, timeout, device, threads, backend)
     atexit.register(_finalize_at_exit)
     if _C.world_size() > 1:
         sys.excepthook = _abort_on_uncaught(sys.excepthook)

@@ -202,7 +202,9 @@ Publication prepare(const std::string& root, int64_t step, const TrainingState& 
   auto gens = rng::default_generators(ctx.device());
   const auto tracker = rng::tensor_parallel_states(ctx.device());
   for (size_t g = 0; g < gens.size(); ++g) {
-    std::vector<std::pair<std::string, torch::Tensor>> kinds{{"", rng::get_state(gens[g])}};
+    std::vector<std::pair<std::string, torch::Tensor>> kinds;
+    kinds.reserve(2);  // (built by emplace_back: GCC 12 warns falsely about a one-element initialiser list grown)
+    kinds.emplace_back("", rng::get_state(gens[g]));
     if (g < tracker.size()) kinds.emplace_back(kTrackerSuffix, tracker[g]);
     for (const auto& [suffix, mine] : kinds) {
       const auto all = world.all_gather_bytes(

@@ -6,6 +6,7 @@
 #include <ztrain/runtime/tp_rng.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 
 namespace ztrain::models {
@@ -33,8 +34,7 @@ void GptConfig::validate(int tp_size) const {
                ") must be a positive multiple of n_head (", n_head, ")");
   ZTRAIN_CHECK(dropout >= 0 && dropout < 1, "GPT: dropout must be in [0, 1), got ", dropout);
   ZTRAIN_CHECK(tp_size >= 1, "GPT: the tensor-parallel size must be >= 1, got ", tp_size);
-  for (const auto& [what, value] : {std::pair<const char*, int64_t>{"d_model", d_model}, {"n_head", n_head},
-                                    {"vocab_size", vocab_size}}) {
+  for (const auto& [what, value] : {std::pair<const char*, int64_t>{"d_model", d_model}, {"n_head", n_head}}) {
     ZTRAIN_CHECK(value % tp_size == 0, "GPT: ", what, " (", value, ") is not divisible by the tensor-parallel size (",
                  tp_size, ")");
   }
@@ -127,9 +127,12 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
 }
 
 GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options, Communicator& tp)
-    : wte(tp::slice(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02), {.dim = 0}, tp.rank(), tp.size())
+    : wte(tp::slice(torch::empty({c.vocab_size, c.d_model}).normal_(0.0, 0.02),
+                    {.dim = 0, .padding = padding_for(c.vocab_size, tp.size())}, tp.rank(), tp.size())
               .to(c.dtype),
-          {.zero_level = options.zero_level, .tp_split = tp::Split{.dim = 0}, .context = options.context,
+          {.zero_level = options.zero_level,
+           .tp_split = tp::Split{.dim = 0, .padding = padding_for(c.vocab_size, tp.size())},
+           .context = options.context,
            .weight_decay = false}),
       wpe(torch::empty({c.context, c.d_model}).normal_(0.0, 0.01).to(c.dtype),
           {.zero_level = options.zero_level, .context = options.context, .weight_decay = false}),
@@ -179,12 +182,22 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& tokens) {
   auto tok = tp_ ? tp::vocab_parallel_embedding(tokens, wte, tp_) : torch::embedding(wte, tokens);
   auto x = tr.drop(tok + torch::embedding(tr.wpe(), positions));
   x = tr.ln_f(tr.h(x));
-  return torch::matmul(tp_ ? functional::copy_to_group(x, *tp_) : x, wte.t());
+  auto logits = torch::matmul(tp_ ? functional::copy_to_group(x, *tp_) : x, wte.t());
+  // The padding's rows of the vocabulary (the last rank's last ones) are no tokens: masked out
+  // of the softmax.
+  const int64_t local = wte.size(0);
+  const int64_t valid = tp_ ? std::max<int64_t>(config_.vocab_size - tp_->rank() * local, 0) : local;
+  if (valid < local) {
+    logits = logits.index_fill(-1, torch::arange(valid, local, logits.options().dtype(torch::kLong)),
+                               -std::numeric_limits<float>::infinity());
+  }
+  return logits;
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
   auto logits = local_logits(tokens);
-  return tp_ ? functional::gather_from_group(logits, *tp_, -1) : logits;
+  if (!tp_) return logits;
+  return functional::gather_from_group(logits, *tp_, -1).narrow(-1, 0, config_.vocab_size);
 }
 
 torch::Tensor GptImpl::loss(const torch::Tensor& tokens) {

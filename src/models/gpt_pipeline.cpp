@@ -96,6 +96,9 @@ GptPipelineImpl::GptPipelineImpl(GptConfig config, BlockOptions options, GptPipe
     : config_(std::move(config)), context_(context_or_default(options.context)) {
   options.context = context_;
   config_.validate(context_->tp().size());
+  ZTRAIN_CHECK(config_.vocab_size % context_->tp().size() == 0, "GptPipeline: vocab_size (", config_.vocab_size,
+               ") is not divisible by the tensor-parallel size (", context_->tp().size(),
+               "); pipelines do not pad the vocabulary yet (Gpt does): pad it yourself or change tp");
   const int p = context_->pp().size(), s = context_->pp().rank(), v = pipeline.chunks;
   ZTRAIN_CHECK(p >= 2, "GptPipeline: needs at least two pipeline stages (init_distributed's pp_size), got ", p,
                "; use Gpt for one");

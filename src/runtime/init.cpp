@@ -144,7 +144,8 @@ Runtime::Runtime(const InitOptions& options)
   set_current_device(device);
   if (binds_device) {
     ZTRAIN_CHECK(device.is_cuda(), "the ", backend, " backend moves CUDA tensors, but this rank's device is ", device,
-                 "; set InitOptions::device or ZTRAIN_DEVICE to cuda, or use the mpi backend");
+                 "; choose a CUDA device (InitOptions::device, ZTRAIN_DEVICE or a program's --device), or "
+                 "use the mpi backend");
     world = make_world_communicator(backend, world_options, device);
   }
   context_ = ParallelContext::create(std::move(world), {.tp_size = options.tp_size,

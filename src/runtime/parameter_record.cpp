@@ -14,12 +14,19 @@ int64_t wrap(const TensorSplit& s, int64_t ndim) { return c10::maybe_wrap_dim(s.
 
 std::vector<int64_t> full_shape(c10::IntArrayRef local, TensorSplit split, int size) {
   auto out = local.vec();
-  out[wrap(split, static_cast<int64_t>(out.size()))] *= size;
+  auto& n = out[wrap(split, static_cast<int64_t>(out.size()))];
+  n = n * size - split.padding;
   return out;
 }
 
-torch::Tensor slice(const torch::Tensor& full, TensorSplit split, int rank, int size) {
-  const int64_t dim = wrap(split, full.dim());
+torch::Tensor slice(const torch::Tensor& unpadded, TensorSplit split, int rank, int size) {
+  const int64_t dim = wrap(split, unpadded.dim());
+  auto full = unpadded;
+  if (split.padding > 0) {
+    auto extra = unpadded.sizes().vec();
+    extra[dim] = split.padding;
+    full = torch::cat({unpadded, torch::zeros(extra, unpadded.options())}, dim);
+  }
   const int64_t n = full.size(dim);
   ZTRAIN_CHECK(n % (split.parts * size) == 0, "tensor parallelism: dimension ", dim, " of shape ", full.sizes(),
                " does not divide into ", split.parts, " part(s) x ", size, " ranks");
@@ -49,7 +56,10 @@ torch::Tensor assemble(const torch::Tensor& local, TensorSplit split, Communicat
     }
   }
   auto moved = all.view(shape).movedim(0, dim + 1);
-  return moved.reshape(full_shape(local.sizes(), split, size));
+  auto padded = local.sizes().vec();
+  padded[dim] *= size;
+  auto full = moved.reshape(padded);
+  return split.padding > 0 ? full.narrow(dim, 0, padded[dim] - split.padding).contiguous() : full;
 }
 
 // ---- fences ------------------------------------------------------------------------------------
@@ -87,6 +97,11 @@ void ParameterRecords::declare_split(const std::string& name, const torch::Tenso
                "'): dimension ", split.dim, " is out of range for a tensor of shape ", param.sizes());
   ZTRAIN_CHECK(split.parts >= 1 && param.size(wrap(split, param.dim())) % split.parts == 0, "declare_split('", name,
                "'): ", split.parts, " parts do not divide dimension ", split.dim, " of shape ", param.sizes());
+  const int group_size = group ? group->size() : 1;
+  ZTRAIN_CHECK(split.padding >= 0 && (split.padding == 0 || split.parts == 1) &&
+                   split.padding < param.size(wrap(split, param.dim())) * group_size,
+               "declare_split('", name, "'): padding ", split.padding, " needs parts = 1 and must be shorter than ",
+               "the padded dimension (", param.size(wrap(split, param.dim())), " x ", group_size, ")");
   split.dim = wrap(split, param.dim());
   auto& r = record(name);
   r.tp_split = split;

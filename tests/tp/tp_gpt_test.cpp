@@ -1,5 +1,6 @@
 // GPT split over a tensor-parallel group (and ZeRO over dp) trains like the single-process
-// model, and a gathered model file written at tp = 2 loads at tp = 1 and tp = 4.
+// model, its vocabulary padded to a multiple of tp, and a gathered model file written at tp = 2
+// loads at tp = 1 and tp = 4.
 //
 // Registered as a chain of launches sharing ZTRAIN_TP_DIR (tests/tp/CMakeLists.txt):
 //   TpGpt.Reference            1 rank: 30 steps, losses, gradient norms and final weights
@@ -21,7 +22,9 @@ namespace {
 using models::Gpt;
 using models::GptConfig;
 
-const GptConfig kConfig{.vocab_size = 96, .context = 16, .d_model = 32, .n_layer = 2, .n_head = 4};
+// A vocabulary that divides by neither 2 nor 4: the split embedding and head pad it (to 98 at
+// tp = 2, 100 at tp = 4), files and gathered tensors hold the 97 rows alone.
+const GptConfig kConfig{.vocab_size = 97, .context = 16, .d_model = 32, .n_layer = 2, .n_head = 4};
 constexpr int kSteps = 30;
 constexpr int64_t kGlobalBatch = 4;
 

@@ -66,7 +66,8 @@ struct GptConfig {
   static GptConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
   /// Throws ztrain::Error naming the first invalid field, or a size that does not divide over
-  /// `tp_size` tensor-parallel ranks (d_model, n_head and vocab_size must).
+  /// `tp_size` tensor-parallel ranks (d_model and n_head must; Gpt pads the vocabulary to a
+  /// multiple of tp_size, GptPipeline needs it to divide).
   void validate(int tp_size = 1) const;
   /// Parameters (the tied head counted once).
   int64_t num_parameters() const;
@@ -132,7 +133,7 @@ class GptImpl : public torch::nn::Module {
   GptTransformer transformer;
 
  private:
-  /// This tp rank's logits [batch, seq, vocab / tp].
+  /// This tp rank's logits [batch, seq, padded vocab / tp]; the padding's are -inf.
   torch::Tensor local_logits(const torch::Tensor& tokens);
 
   GptConfig config_;

@@ -43,18 +43,28 @@ class ParallelContext;
 /// `parts` consecutive equal blocks (three for a fused q, k, v projection), each cut into as many
 /// equal chunks as the group has ranks, chunk r held by rank r. With parts = 1, rank r holds the
 /// r-th 1/size of the dimension, as in Megatron-LM.
+///
+/// `padding` (with parts = 1) makes a dimension that does not divide by the ranks split anyway:
+/// the full tensor is extended by that many zero entries at its end before it is cut, so the
+/// last rank's slice ends with them (a vocabulary of 50257 over 2 ranks: 25129 rows each, the
+/// last one padding). Full tensors — files, full_parameter — never include the padding.
 struct TensorSplit {
   int64_t dim = 0;
   int64_t parts = 1;
+  int64_t padding = 0;
   bool operator==(const TensorSplit&) const = default;
 };
 
-/// The full shape of a slice shaped `local` split `split` over `size` ranks.
+/// The padding that makes `n` divide into `size` ranks: 0 when it does.
+inline int64_t padding_for(int64_t n, int size) { return (size - n % size) % size; }
+
+/// The full shape (without padding) of a slice shaped `local` split `split` over `size` ranks.
 std::vector<int64_t> full_shape(c10::IntArrayRef local, TensorSplit split, int size);
-/// Rank `rank`'s slice (contiguous) of `full` split `split` over `size` ranks. Throws
-/// ztrain::Error when the split dimension does not divide evenly.
+/// Rank `rank`'s slice (contiguous) of `full` split `split` over `size` ranks, padded as the
+/// split says. Throws ztrain::Error when the split dimension does not divide evenly.
 torch::Tensor slice(const torch::Tensor& full, TensorSplit split, int rank, int size);
-/// The full tensor from every rank's `local` slice (collective over `group`; not autograd).
+/// The full tensor, without padding, from every rank's `local` slice (collective over `group`;
+/// not autograd).
 torch::Tensor assemble(const torch::Tensor& local, TensorSplit split, Communicator& group);
 
 /// A write to a parameter that another thread is still running (an asynchronous optimizer's
