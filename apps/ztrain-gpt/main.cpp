@@ -320,8 +320,11 @@ Trainee make_trainee(const TrainArgs& a, const GptConfig& config) {
     return {model.ptr(),
             [model](const std::vector<torch::Tensor>& micro_batches, zt::optim::OptimManager& mgr) mutable {
               double sum = 0;
-              for (const auto& mb : micro_batches) {
-                auto loss = model->loss(mb) / static_cast<double>(micro_batches.size());
+              for (size_t i = 0; i < micro_batches.size(); ++i) {
+                // Gradients are reduced once per step, in the last micro-batch's backward.
+                std::optional<zt::NoGradientSync> hold;
+                if (i + 1 < micro_batches.size()) hold.emplace(*model);
+                auto loss = model->loss(micro_batches[i]) / static_cast<double>(micro_batches.size());
                 mgr.backward(loss);
                 sum += loss.item<double>();
               }

@@ -494,7 +494,8 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   }
   // An optimizer may now update the shards without a trace in their version counters
   // (torch::optim writes through .data()), so level 1 refreshes the full buffer next time.
-  if (!flat_grads.empty()) stale_ = true;
+  // Held gradients reach no shard: nothing can step on them.
+  if (!flat_grads.empty() && gradient_sync_) stale_ = true;
   release();
 
   std::vector<torch::Tensor> input_grads;
@@ -503,6 +504,21 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
 }
 
 void ShardedModule::reduce_gradient(size_t g, torch::Tensor flat_grad) {
+  if (held_grads_.size() < groups_.size()) held_grads_.resize(groups_.size());
+  auto& held = held_grads_[g];
+  torch::NoGradGuard no_grad;
+  if (!gradient_sync_) {
+    if (held.defined()) {
+      held.add_(flat_grad);
+    } else {
+      held = flat_grad;
+    }
+    return;
+  }
+  if (held.defined()) {
+    flat_grad.add_(held);
+    held = torch::Tensor();
+  }
   auto& stream = context_->reduce_stream();
   stream.throttle(detail::kMaxPendingReductions - 1);  // a flat gradient per reduction in flight
   const bool all_reduce = policy_->gradient == GradientReduction::kAllReduce;
@@ -551,7 +567,25 @@ int64_t ShardedModule::gradient_bytes() const {
   for (const auto& g : groups_) {
     if (g.shard.grad().defined()) bytes += g.shard.grad().nbytes();
   }
+  for (const auto& held : held_grads_) {
+    if (held.defined()) bytes += held.nbytes();
+  }
   return bytes;
+}
+
+NoGradientSync::NoGradientSync(torch::nn::Module& module) {
+  auto visit = [&](torch::nn::Module& m) {
+    if (auto* sharded = dynamic_cast<ShardedModule*>(&m)) {
+      switched_.emplace_back(sharded, sharded->gradient_sync());
+      sharded->set_gradient_sync(false);
+    }
+  };
+  visit(module);
+  for (const auto& child : module.modules(/*include_self=*/false)) visit(*child);
+}
+
+NoGradientSync::~NoGradientSync() {
+  for (auto [module, was] : switched_) module->set_gradient_sync(was);
 }
 
 namespace {

@@ -132,6 +132,43 @@ TEST_P(BlockScenario, TwoBackwardsWithoutZeroGradGiveTwiceTheGradient) {
   for (size_t i = 0; i < once.size(); ++i) EXPECT_TRUE(tensors_equal(block->groups()[i].shard.grad(), once[i] * 2, 1e-6, 1e-7));
 }
 
+TEST_P(BlockScenario, AccumulationWithoutSyncReducesOnceAndGivesTheSameGradient) {
+  // Three micro-batches (different on every rank): reduced each time, then held under
+  // NoGradientSync and reduced once. Same gradients; a third of the reduction bytes.
+  const int level = GetParam();
+  auto micro = [](int i) {
+    torch::manual_seed(100 + 10 * i + runtime().dp().rank());
+    return torch::randn({2, 4, 8});
+  };
+  auto run = [&](bool hold, int64_t& reduced_bytes) {
+    torch::manual_seed(3);
+    Block<Layer> block(Layer(8), {.zero_level = level, .use_checkpoint = level == 1});
+    auto& reducer = runtime().context().reduce_stream().communicator();
+    const auto before = reducer.stats().all_reduce_bytes + reducer.stats().reduce_scatter_bytes;
+    for (int i = 0; i < 3; ++i) {
+      std::optional<NoGradientSync> guard;
+      if (hold && i < 2) guard.emplace(*block);
+      block(micro(i)).pow(2).mean().backward();
+      if (hold && i < 2) {
+        EXPECT_FALSE(block->groups()[0].shard.grad().defined()) << "reduced under NoGradientSync";
+      }
+    }
+    EXPECT_TRUE(block->gradient_sync());
+    reduced_bytes = reducer.stats().all_reduce_bytes + reducer.stats().reduce_scatter_bytes - before;
+    std::vector<torch::Tensor> grads;
+    for (const auto& g : block->groups()) grads.push_back(g.shard.grad().clone());
+    return grads;
+  };
+  int64_t each = 0, once = 0;
+  const auto want = run(false, each);
+  const auto got = run(true, once);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(tensors_equal(got[i], want[i], 1e-5, 1e-7)) << "group " << i;
+  if (runtime().dp().size() > 1) {
+    EXPECT_EQ(once * 3, each);
+  }
+}
+
 TEST_P(BlockScenario, EvalAndNoGradForwardMatchAndReleaseEverything) {
   const int level = GetParam();
   torch::manual_seed(3);

@@ -120,10 +120,19 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   void wait_for_updates() const;
 
   /// Bytes this rank holds between steps for parameters, the gathered buffers now allocated,
-  /// and the shards' gradients now allocated.
+  /// and the gradients now allocated (the shards', and those held unreduced by set_gradient_sync).
   int64_t parameter_bytes() const;
   int64_t gathered_bytes() const;
   int64_t gradient_bytes() const;
+
+  /// Off: backward passes keep this module's flat gradients on this rank, summed and unreduced
+  /// (a full-size buffer per group, at every level), and the next backward with sync on adds
+  /// them to its own and reduces the sum once — gradient accumulation that communicates once per
+  /// step, as DDP's and FSDP's no_sync. Use it for all but the last micro-batch of a step: the
+  /// optimizer must not step on a held sum. Every dp rank must switch alike. NoGradientSync
+  /// switches a whole model.
+  void set_gradient_sync(bool on) { gradient_sync_ = on; }
+  bool gradient_sync() const { return gradient_sync_; }
 
   /// Modules to prefetch at the start of this one's forward and backward (set by BlockList).
   void set_prefetch_neighbours(std::vector<ShardedModule*> forward, std::vector<ShardedModule*> backward);
@@ -175,6 +184,28 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   std::vector<int64_t> gathered_versions_;  // shard versions the full buffers were gathered from
   std::vector<ShardedModule*> forward_neighbours_, backward_neighbours_;
   std::weak_ptr<detail::ShardedCall> last_call_;
+  bool gradient_sync_ = true;
+  std::vector<torch::Tensor> held_grads_;  // per group: unreduced gradients summed while sync is off
+};
+
+/// While it lives, every ShardedModule in `module` (Blocks, DistributedParameters, the module
+/// itself) holds its gradients unreduced (ShardedModule::set_gradient_sync); the first backward
+/// after it reduces each sum once.
+///
+///   for (int i = 0; i < k; ++i) {
+///     std::optional<ztrain::NoGradientSync> hold;
+///     if (i + 1 < k) hold.emplace(*model);        // reduce once, in the last micro-batch
+///     mgr.backward(model->loss(micro[i]) / k);
+///   }
+class NoGradientSync {
+ public:
+  explicit NoGradientSync(torch::nn::Module& module);
+  ~NoGradientSync();
+  NoGradientSync(const NoGradientSync&) = delete;
+  NoGradientSync& operator=(const NoGradientSync&) = delete;
+
+ private:
+  std::vector<std::pair<ShardedModule*, bool>> switched_;  // each module and its setting before
 };
 
 /// Every parameter of `module` under the name a plain libtorch model would give it: sharded
