@@ -278,7 +278,9 @@ PYBIND11_MODULE(_C, m) {
       .def("train", [](zt::ShardedModule& b, bool on) { b.train(on); })
       .def("gathered_parameters", [](zt::ShardedModule& b) { return zt::gathered_parameters(b); }, release())
       .def("parameter_bytes", &zt::ShardedModule::parameter_bytes)
-      .def("gathered_bytes", &zt::ShardedModule::gathered_bytes);
+      .def("gathered_bytes", &zt::ShardedModule::gathered_bytes)
+      .def("set_gradient_sync", &zt::ShardedModule::set_gradient_sync)
+      .def("gradient_sync", &zt::ShardedModule::gradient_sync);
   py::class_<PyBlock, zt::ShardedModule, std::shared_ptr<PyBlock>>(m, "_Block")
       .def(py::init([](const NamedTensors& named, int zero_level, bool use_checkpoint) {
              return std::make_shared<PyBlock>(named, zt::BlockOptions{.zero_level = zero_level,

@@ -18,13 +18,13 @@ import torch  # loads libtorch before the extension that links it
 from . import _C
 from ._C import CommError, Error
 from . import optim
-from .block import Block, BlockList
+from .block import Block, BlockList, no_sync
 from .model_file import init_parameters, load, load_state_dict, memory_stats, save, state_dict
 from .parameter import DistributedParameter
 
 __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
            "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block",
-           "BlockList", "DistributedParameter", "save", "load", "state_dict", "load_state_dict", "init_parameters",
+           "BlockList", "no_sync", "DistributedParameter", "save", "load", "state_dict", "load_state_dict", "init_parameters",
            "memory_stats"]
 
 

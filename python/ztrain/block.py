@@ -12,6 +12,8 @@ optimizer updates is `parameters()`: this rank's shard of each group of paramete
 dtype (the whole buffer at level 0). Gradients are reduce-scattered (all-reduced at level 0)
 over the data-parallel group while backward goes on, and have landed when backward returns.
 """
+import contextlib
+
 import torch
 
 from . import _C
@@ -35,6 +37,28 @@ def native_view(model):
         else:
             params.append((name, p))
     return sharded, params
+
+
+@contextlib.contextmanager
+def no_sync(model):
+    """Backward passes inside hold the gradients of `model`'s Blocks and DistributedParameters on
+    this rank, summed and unreduced; the first backward after it reduces each sum once — gradient
+    accumulation that communicates once per step, as DDP's and FSDP's `no_sync`. Use it for all
+    but the last micro-batch of a step, on every rank alike:
+
+        for i, micro in enumerate(micro_batches):
+            with ztrain.no_sync(model) if i + 1 < len(micro_batches) else contextlib.nullcontext():
+                (loss_fn(model(micro)) / len(micro_batches)).backward()
+    """
+    engines = [native for _, native in native_view(model)[0]]
+    before = [e.gradient_sync() for e in engines]
+    for e in engines:
+        e.set_gradient_sync(False)
+    try:
+        yield
+    finally:
+        for e, was in zip(engines, before):
+            e.set_gradient_sync(was)
 
 
 def _take_full_values(module):

@@ -1,5 +1,6 @@
 """ztrain.Block over Python modules against single-process PyTorch: levels 0-3, with and without
 recomputation, at every world size it is launched with (ZTRAIN_TEST_WORLD_SIZE ranks)."""
+import contextlib
 import unittest
 
 import torch
@@ -183,6 +184,24 @@ class BlockParity(unittest.TestCase):
         block = ztrain.Block(layer, zero_level=1)
         self.assertIs(layer.fc1.weight, weight)  # the same parameter object
         self.assertTrue(torch.equal(block.gathered_parameters()["fc1.weight"], weight.detach()))
+
+    def test_accumulation_under_no_sync_equals_reducing_every_micro_batch(self):
+        micro = [x[ztrain.rank() * 2:(ztrain.rank() + 1) * 2] for x in batches()[:3]]  # this rank's rows
+        for level in range(4):
+            with self.subTest(level=level):
+                grads = []
+                for hold in (False, True):
+                    blocks = [ztrain.Block(layer, zero_level=level) for layer in layers(0)]
+                    model = torch.nn.ModuleList(blocks)
+                    for i, x in enumerate(micro):
+                        held = hold and i + 1 < len(micro)
+                        with ztrain.no_sync(model) if held else contextlib.nullcontext():
+                            (step_loss(blocks, x) / len(micro)).backward()
+                        if held:
+                            self.assertTrue(all(p.grad is None for p in model.parameters()))
+                    grads.append([p.grad.clone() for p in model.parameters()])
+                for got, want in zip(grads[1], grads[0]):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
     def test_bad_output_is_named(self):
         class Bad(torch.nn.Module):
