@@ -10,6 +10,7 @@
 ///   }
 #include <ztrain/booster/booster.h>
 #include <ztrain/booster/data_parallel.h>
+#include <ztrain/booster/low_level_zero.h>
 #include <ztrain/ckpt/checkpoint.h>
 #include <ztrain/ckpt/model_file.h>
 #include <ztrain/ckpt/optimizer_state.h>

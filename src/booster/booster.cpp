@@ -18,9 +18,9 @@ Booster::Booster(std::shared_ptr<Plugin> plugin, BoosterOptions options)
 void Booster::boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   ZTRAIN_CHECK(!model_, "Booster: boost() was called already; a booster boosts one model and optimizer");
   plugin_->boost(model, optimizer);
-  model_ = &model;
+  model_ = &plugin_->boosted(model);
   optimizer_ = &optimizer;
-  manager_.emplace(model, options_.loss_scaler);
+  manager_.emplace(*model_, options_.loss_scaler);
   manager_->add_optimizer(optimizer, options_.lr_scheduler);
 }
 
@@ -49,7 +49,9 @@ void Booster::backward(const torch::Tensor& loss) { manager().backward(loss); }
 bool Booster::step() {
   auto& mgr = manager();
   if (options_.max_grad_norm > 0) last_grad_norm_ = mgr.clip_grad_norm(options_.max_grad_norm);
-  return mgr.step();
+  const bool applied = mgr.step();
+  if (applied) plugin_->after_update();
+  return applied;
 }
 
 Booster::NoSync Booster::no_sync() {
@@ -59,7 +61,10 @@ Booster::NoSync Booster::no_sync() {
 
 void Booster::save_model(const std::string& path, const SaveOptions& options) { save(model(), path, options); }
 
-void Booster::load_model(const std::string& path, const LoadOptions& options) { load(model(), path, options); }
+void Booster::load_model(const std::string& path, const LoadOptions& options) {
+  load(model(), path, options);
+  plugin_->after_update();
+}
 
 void Booster::save_optimizer(const std::string& path, const SaveOptions& options) {
   save_optimizer_state(model(), optimizer(), path, options);

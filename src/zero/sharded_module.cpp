@@ -149,6 +149,10 @@ class GeneratorStateGuard {
 // ---- construction ------------------------------------------------------------------------------
 
 ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind)
+    : ShardedModule(std::move(wrapped), options, std::move(kind), Grouping{}) {}
+
+ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind,
+                             const Grouping& grouping)
     : wrapped_(std::move(wrapped)), options_(options), kind_(std::move(kind)) {
   ZTRAIN_CHECK(wrapped_ != nullptr, kind_, ": the module to wrap is null");
   policy_ = &level_policy(options_.zero_level, kind_ + ": zero_level");
@@ -163,9 +167,11 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     bool requires_grad;
     bool tp_distinct;  // tensor-parallel slices, kept apart from replicated parameters
     bool decays;       // weight decay applies (optim::default_weight_decay), kept apart from the rest
+    int unit;          // Grouping::unit
     bool operator==(const Key&) const = default;
   };
-  std::vector<Key> keys;
+  std::vector<Key> keys;  // one per group; a key's groups after its last are closed
+  std::vector<int64_t> group_bytes;
   std::vector<std::vector<std::pair<std::string, std::vector<int64_t>>>> members;
   std::vector<std::vector<torch::Tensor>> member_tensors;
   std::vector<std::vector<const ParameterRecord*>> member_records;
@@ -188,15 +194,22 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     signature << detail::describe(item.name, p.scalar_type(), p.sizes(), p.requires_grad()) << "\n";
     const auto* record = item.record;
     const bool split = record && record->tp_split && record->tp_group && record->tp_group->size() > 1;
-    const Key key{p.scalar_type(), p.requires_grad(), split, p.requires_grad() && decays[i]};
-    size_t g = 0;
-    while (g < keys.size() && !(keys[g] == key)) ++g;
+    const Key key{p.scalar_type(), p.requires_grad(), split, p.requires_grad() && decays[i],
+                  grouping.unit ? grouping.unit(i) : 0};
+    const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+    size_t g = keys.size();
+    while (g > 0 && !(keys[g - 1] == key)) --g;
+    const bool full = g > 0 && grouping.max_group_bytes > 0 && group_bytes[g - 1] > 0 &&
+                      group_bytes[g - 1] + bytes > grouping.max_group_bytes;
+    g = (g == 0 || full) ? keys.size() : g - 1;
     if (g == keys.size()) {
       keys.push_back(key);
+      group_bytes.push_back(0);
       members.emplace_back();
       member_tensors.emplace_back();
       member_records.emplace_back();
     }
+    group_bytes[g] += bytes;
     order.emplace_back(g, members[g].size());
     members[g].emplace_back(item.name, p.sizes().vec());
     member_tensors[g].push_back(p);

@@ -1,6 +1,7 @@
-// Booster with the DataParallel plugin: a plain libtorch model trains as the single-process one
-// on the global batch (losses and parameters), reductions overlap backward, no_sync accumulates
-// with one reduction per step, unused parameters count as zero, checkpoints round-trip, and bad
+// Booster with the DataParallel and LowLevelZero plugins: a plain libtorch model trains as the
+// single-process one on the global batch (losses and parameters), reductions overlap backward,
+// no_sync accumulates with one reduction per step, unused parameters count as zero, optimizer
+// state (and at stage 2 gradients) are sharded, checkpoints round-trip across plugins, and bad
 // input is refused with a clear error. Models are built on the CPU and boosted onto the
 // runtime's device (a CUDA device in the .cuda variants); the single-process reference stays on
 // the CPU.
@@ -9,6 +10,7 @@
 #include "test_util.h"
 
 #include <filesystem>
+#include <functional>
 
 namespace ztrain::test {
 namespace {
@@ -23,8 +25,24 @@ struct Trajectory {
 
 // SGD with momentum, not Adam: some of the model's gradients are zero up to rounding (the key
 // bias: softmax ignores a shift of a row), and Adam would scale that rounding up to full steps.
+// Two parameter groups, as peers make them: weight decay on matrices only, and the vectors
+// at another learning rate.
 torch::optim::SGD make_sgd(torch::nn::Module& model) {
-  return torch::optim::SGD(model.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+  std::vector<torch::Tensor> matrices, vectors;
+  for (const auto& p : model.parameters()) (p.dim() >= 2 ? matrices : vectors).push_back(p);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(matrices);
+  groups.emplace_back(vectors, std::make_unique<torch::optim::SGDOptions>(
+                                   torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0)));
+  return torch::optim::SGD(groups, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+}
+
+using MakePlugin = std::function<std::shared_ptr<Plugin>()>;
+MakePlugin data_parallel(DataParallelOptions options = {}) {
+  return [options] { return std::make_shared<DataParallel>(options); };
+}
+MakePlugin low_level_zero(LowLevelZeroOptions options) {
+  return [options] { return std::make_shared<LowLevelZero>(options); };
 }
 
 std::vector<torch::Tensor> values(torch::nn::Module& model) {
@@ -61,14 +79,13 @@ Trajectory reference(const ModelConfig& c, int steps, int micro, double max_norm
   return t;
 }
 
-/// The same run under DataParallel: each rank its share of the global batch.
-Trajectory boosted(const ModelConfig& c, int steps, int micro, double max_norm, DataParallelOptions options = {}) {
+/// The same run under a plugin: each rank its share of the global batch.
+Trajectory boosted(const ModelConfig& c, int steps, int micro, double max_norm, const MakePlugin& make) {
   auto& dp = runtime().dp();
   torch::manual_seed(3 + dp.rank());  // different on every rank: boost() makes them equal
   RefModel model(c);
   auto opt = make_sgd(*model);
-  auto plugin = std::make_shared<DataParallel>(options);
-  Booster booster(plugin, {.max_grad_norm = max_norm});
+  Booster booster(make(), {.max_grad_norm = max_norm});
   booster.boost(*model, opt);
   Trajectory t;
   for (int step = 0; step < steps; ++step) {
@@ -99,11 +116,11 @@ RefModel seeded_model(const ModelConfig& c, uint64_t seed) {
   return RefModel(c);
 }
 
-/// A model built from `seed` and boosted under DataParallel with buckets of `bucket_bytes`.
+/// A model built from `seed` and boosted under `plugin`.
+template <class P>
 struct BoostedModel {
-  BoostedModel(const ModelConfig& c, int64_t bucket_bytes, uint64_t seed = 3)
-      : model(seeded_model(c, seed)), opt(make_sgd(*model)),
-        plugin(std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = bucket_bytes})), booster(plugin) {
+  BoostedModel(const ModelConfig& c, std::shared_ptr<P> p, uint64_t seed = 3)
+      : model(seeded_model(c, seed)), opt(make_sgd(*model)), plugin(std::move(p)), booster(plugin) {
     booster.boost(*model, opt);
   }
   void backward(const torch::Tensor& tokens) {
@@ -118,9 +135,13 @@ struct BoostedModel {
 
   RefModel model;
   torch::optim::SGD opt;
-  std::shared_ptr<DataParallel> plugin;
+  std::shared_ptr<P> plugin;
   Booster booster;
 };
+
+std::shared_ptr<DataParallel> buckets_of(int64_t bytes) {
+  return std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = bytes});
+}
 
 void expect_same(const Trajectory& got, const Trajectory& want) {
   ASSERT_EQ(got.losses.size(), want.losses.size());
@@ -137,17 +158,17 @@ TEST(DataParallel, TrainsAsOneProcessOnTheGlobalBatch) {
   ASSERT_EQ(world_size(), expected_world_size());
   const ModelConfig c;
   const auto want = reference(c, 20, 1, 1.0);
-  expect_same(boosted(c, 20, 1, 1.0, {.bucket_bytes = 4096}), want);
-  expect_same(boosted(c, 20, 1, 1.0), want);  // one bucket
+  expect_same(boosted(c, 20, 1, 1.0, data_parallel({.bucket_bytes = 4096})), want);
+  expect_same(boosted(c, 20, 1, 1.0, data_parallel()), want);  // one bucket
 }
 
 TEST(DataParallel, NoSyncAccumulatesAndReducesOncePerStep) {
   const ModelConfig c;
   const auto want = reference(c, 6, 3, 0);
-  expect_same(boosted(c, 6, 3, 0, {.bucket_bytes = 4096}), want);
+  expect_same(boosted(c, 6, 3, 0, data_parallel({.bucket_bytes = 4096})), want);
 
   auto& dp = runtime().dp();
-  BoostedModel m(c, 4096);
+  BoostedModel m(c, buckets_of(4096));
   for (const auto& p : m.model->parameters()) EXPECT_EQ(p.device(), runtime().device()) << "boost() moves the model";
   const int64_t buckets = m.plugin->stats().buckets;
   EXPECT_GT(buckets, 3);
@@ -166,7 +187,7 @@ TEST(DataParallel, NoSyncAccumulatesAndReducesOncePerStep) {
 
 TEST(DataParallel, ReductionsOverlapBackward) {
   const ModelConfig c{.layers = 4};
-  BoostedModel m(c, 2048);
+  BoostedModel m(c, buckets_of(2048));
   m.backward(batch_tokens(0, kBatch, kSeq, c.vocab));
   const auto s = m.plugin->stats();
   if (runtime().dp().size() == 1) {
@@ -220,12 +241,12 @@ TEST(DataParallel, CheckpointsRoundTrip) {
   if (runtime().rank() == 0) std::filesystem::create_directories(dir);
   runtime().world().barrier();
   auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
-  BoostedModel m(c, DataParallelOptions{}.bucket_bytes);
+  BoostedModel m(c, std::make_shared<DataParallel>());
   for (int i = 0; i < 3; ++i) m.step(tokens);
   m.booster.save_model(dir + "/model.safetensors");
   m.booster.save_optimizer(dir + "/optimizer.safetensors");
 
-  BoostedModel again(c, DataParallelOptions{}.bucket_bytes, 11);
+  BoostedModel again(c, std::make_shared<DataParallel>(), 11);
   again.booster.load_model(dir + "/model.safetensors");
   again.booster.load_optimizer(dir + "/optimizer.safetensors");
   m.step(tokens);
@@ -272,6 +293,172 @@ TEST(DataParallel, RefusesBadInput) {
   auto other_opt = make_sgd(*other);
   msg = error_message([&] { bad.boost(*other, other_opt); });
   EXPECT_NE(msg.find("bucket_bytes must be positive"), std::string::npos) << msg;
+}
+
+// ---- LowLevelZero ------------------------------------------------------------------------------
+
+std::shared_ptr<LowLevelZero> zero_stage(int stage, int64_t bucket_bytes = 4096) {
+  return std::make_shared<LowLevelZero>(LowLevelZeroOptions{.stage = stage, .bucket_bytes = bucket_bytes});
+}
+
+/// This rank's share of a global batch (kBatch sequences per rank).
+torch::Tensor local_share(int64_t step, int64_t vocab) {
+  auto& dp = runtime().dp();
+  return batch_tokens(step, kBatch * dp.size(), kSeq, vocab).slice(0, dp.rank() * kBatch, (dp.rank() + 1) * kBatch);
+}
+
+TEST(LowLevelZero, TrainsAsOneProcessOnTheGlobalBatch) {
+  const ModelConfig c;
+  const auto want = reference(c, 20, 1, 1.0);
+  for (int stage : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    expect_same(boosted(c, 20, 1, 1.0, low_level_zero({.stage = stage, .bucket_bytes = 4096})), want);
+    expect_same(boosted(c, 20, 1, 1.0, low_level_zero({.stage = stage})), want);  // one bucket per group
+  }
+}
+
+TEST(LowLevelZero, NoSyncAccumulatesAndEveryReductionOverlapsBackward) {
+  const ModelConfig c;
+  const auto want = reference(c, 6, 3, 0);
+  const int dp = runtime().dp().size();
+  for (int stage : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    expect_same(boosted(c, 6, 3, 0, low_level_zero({.stage = stage, .bucket_bytes = 4096})), want);
+
+    BoostedModel m(c, zero_stage(stage));
+    const int64_t buckets = m.plugin->stats().buckets;
+    EXPECT_GT(buckets, 3);
+    auto tokens = local_share(0, c.vocab);
+    {
+      auto guard = m.booster.no_sync();
+      m.backward(tokens);
+      m.backward(tokens);
+    }
+    const auto quiet = m.plugin->stats();
+    EXPECT_EQ(quiet.reductions_during_backward + quiet.reductions_at_end, 0);
+    m.backward(tokens);
+    const auto synced = m.plugin->stats();
+    // One reduction per bucket, each started inside backward as soon as its gradients landed.
+    EXPECT_EQ(synced.reductions_during_backward, dp > 1 ? buckets : 0);
+    EXPECT_EQ(synced.reductions_at_end, 0);
+  }
+}
+
+TEST(LowLevelZero, ShardsOptimizerStateAndAtStageTwoGradients) {
+  const ModelConfig c;
+  auto& dp = runtime().dp();
+  const auto tokens = local_share(0, c.vocab);
+  BoostedModel ddp(c, std::make_shared<DataParallel>());
+  ddp.step(tokens);
+  ddp.booster.zero_grad();
+  ddp.backward(tokens);
+  int64_t total = 0;
+  for (const auto& p : ddp.model->parameters()) total += p.numel();
+
+  for (int stage : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    BoostedModel m(c, zero_stage(stage));
+    m.step(tokens);
+    // The optimizer steps this rank's shards: its momenta hold 1/dp of the elements (each
+    // parameter starting on 64 bytes, each bucket padded to dp shards starting on 64 bytes).
+    int64_t state = 0;
+    for (const auto& item : m.opt.state()) {
+      state += static_cast<const torch::optim::SGDParamState&>(*item.second).momentum_buffer().numel();
+    }
+    const int64_t slack = 16 * (static_cast<int64_t>(ddp.model->parameters().size()) + m.plugin->stats().buckets * dp.size());
+    EXPECT_GE(state * dp.size(), total);
+    EXPECT_LE(state * dp.size(), total + slack);
+    // Every rank holds the whole model, equal to DataParallel's after the same step.
+    auto got = m.model->named_parameters();
+    for (const auto& p : ddp.model->named_parameters()) {
+      EXPECT_TRUE(tensors_equal(got[p.key()], p.value(), 1e-6, 1e-7)) << p.key();
+    }
+    m.booster.zero_grad();
+    m.backward(tokens);
+    for (const auto& p : ddp.model->named_parameters()) {
+      const auto& grad = got[p.key()].grad();
+      if (stage == 1) {
+        ASSERT_TRUE(grad.defined()) << p.key();
+        EXPECT_TRUE(tensors_equal(grad, p.value().grad(), 1e-6, 1e-7)) << p.key() << ": the mean gradient";
+      } else {
+        EXPECT_FALSE(grad.defined()) << p.key() << ": stage 2 keeps gradients on the shards only";
+      }
+    }
+    for (const auto& group : m.opt.param_groups()) {
+      for (const auto& shard : group.params()) {
+        ASSERT_TRUE(shard.grad().defined());
+        EXPECT_EQ(shard.grad().sizes(), shard.sizes());
+      }
+    }
+  }
+}
+
+TEST(LowLevelZero, CheckpointsLoadUnderEitherPlugin) {
+  const ModelConfig c;
+  const auto dir = shared_temp_dir("booster_zero_ckpt");
+  if (runtime().rank() == 0) std::filesystem::create_directories(dir);
+  runtime().world().barrier();
+  BoostedModel m(c, zero_stage(2));
+  for (int i = 0; i < 3; ++i) m.step(local_share(i, c.vocab));
+  m.booster.save_model(dir + "/model.safetensors");
+  m.booster.save_optimizer(dir + "/optimizer.safetensors");
+
+  // Another stage and bucket layout, and DataParallel, each built from another seed.
+  BoostedModel other(c, zero_stage(1, int64_t{1} << 20), 11);
+  BoostedModel ddp(c, std::make_shared<DataParallel>(), 13);
+  other.booster.load_model(dir + "/model.safetensors");
+  other.booster.load_optimizer(dir + "/optimizer.safetensors");
+  ddp.booster.load_model(dir + "/model.safetensors");
+  ddp.booster.load_optimizer(dir + "/optimizer.safetensors");
+  const auto tokens = local_share(3, c.vocab);
+  m.step(tokens);
+  other.step(tokens);
+  ddp.step(tokens);
+  const auto a = values(*m.model), b = values(*other.model), d = values(*ddp.model);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(tensors_equal(a[i], b[i], 1e-6, 1e-7)) << "parameter " << i;
+    EXPECT_TRUE(tensors_equal(a[i], d[i], 1e-6, 1e-7)) << "parameter " << i;
+  }
+  // And back: DataParallel's optimizer file loads under LowLevelZero.
+  ddp.booster.save_optimizer(dir + "/ddp_optimizer.safetensors");
+  ddp.booster.save_model(dir + "/ddp_model.safetensors");
+  BoostedModel back(c, zero_stage(2), 17);
+  back.booster.load_model(dir + "/ddp_model.safetensors");
+  back.booster.load_optimizer(dir + "/ddp_optimizer.safetensors");
+  back.step(tokens);
+  ddp.step(tokens);
+  const auto e = values(*back.model), f = values(*ddp.model);
+  for (size_t i = 0; i < e.size(); ++i) EXPECT_TRUE(tensors_equal(e[i], f[i], 1e-6, 1e-7)) << "parameter " << i;
+  runtime().world().barrier();
+  if (runtime().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST(LowLevelZero, RefusesBadInput) {
+  auto& dp = runtime().dp();
+  if (dp.size() > 1) {
+    torch::manual_seed(3);
+    RefModel model(ModelConfig{.dim = dp.rank() == 1 ? 8 : 16});
+    auto opt = make_sgd(*model);
+    Booster booster(zero_stage(2));
+    const auto msg = error_message([&] { booster.boost(*model, opt); });
+    EXPECT_NE(msg.find("LowLevelZero: dp ranks 0 and 1 hold different models"), std::string::npos) << msg;
+  }
+  const auto expect_refused = [](LowLevelZeroOptions options, const std::string& what, bool stepped = false) {
+    torch::manual_seed(3);
+    RefModel model(ModelConfig{});
+    auto opt = make_sgd(*model);
+    if (stepped) {
+      auto tokens = batch_tokens(0, kBatch, kSeq, 32);
+      lm_loss(model(tokens), tokens).backward();
+      opt.step();
+    }
+    Booster booster(std::make_shared<LowLevelZero>(options));
+    const auto msg = error_message([&] { booster.boost(*model, opt); });
+    EXPECT_NE(msg.find(what), std::string::npos) << msg;
+  };
+  expect_refused({.stage = 3}, "stage must be 1 or 2, got 3");
+  expect_refused({.bucket_bytes = 0}, "bucket_bytes must be positive");
+  expect_refused({}, "the optimizer holds state already", true);
 }
 
 }  // namespace

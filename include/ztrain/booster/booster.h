@@ -37,7 +37,7 @@
 namespace ztrain {
 
 /// How a parallelism strategy prepares a model and takes part in its steps. Implementations:
-/// DataParallel (booster/data_parallel.h).
+/// DataParallel (booster/data_parallel.h), LowLevelZero (booster/low_level_zero.h).
 class Plugin {
  public:
   virtual ~Plugin() = default;
@@ -45,10 +45,24 @@ class Plugin {
   virtual std::string name() const = 0;
   /// Prepares `model` and `optimizer` (collective over the ranks the plugin spans). Called once.
   virtual void boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) = 0;
+  /// The module whose parameters the optimizer updates after boost(): what gradient norms,
+  /// overflow checks and checkpoints walk. The model itself unless the plugin shards it.
+  virtual torch::nn::Module& boosted(torch::nn::Module& model) { return model; }
   /// Whether the next backward passes reduce gradients across ranks (false under no_sync).
   virtual void set_gradient_sync(bool on) = 0;
   /// Called after the gradients were dropped, to re-arm whatever the plugin keeps in them.
   virtual void after_zero_grad() {}
+  /// Called after the optimizer's parameters were written (an applied step, a loaded model
+  /// file), to bring what the model computes with up to date. Collective.
+  virtual void after_update() {}
+};
+
+/// What a plugin's gradient buckets did, for tests and logs.
+struct BucketStats {
+  int64_t buckets = 0;
+  /// Reductions started while backward was still running (overlapped), and at its end.
+  int64_t reductions_during_backward = 0;
+  int64_t reductions_at_end = 0;
 };
 
 struct BoosterOptions {

@@ -35,13 +35,7 @@ struct DataParallelOptions {
   int64_t bucket_bytes = int64_t{25} << 20;
 };
 
-/// What a DataParallel plugin did, for tests and logs.
-struct DataParallelStats {
-  int64_t buckets = 0;
-  /// Reductions started while backward was still running (overlapped), and at its end.
-  int64_t reductions_during_backward = 0;
-  int64_t reductions_at_end = 0;
-};
+using DataParallelStats = BucketStats;
 
 namespace detail {
 class GradientBuckets;

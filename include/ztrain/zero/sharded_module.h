@@ -116,6 +116,9 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   void release();
   /// Whether the full buffers are allocated and hold the current values.
   bool is_gathered() const;
+  /// Level 1: the shards were written where the module cannot see it (an optimizer stepping
+  /// outside a backward through the module); the next gather() refreshes the full buffers.
+  void shards_changed() { stale_ = true; }
   /// Waits until no asynchronous optimizer is writing this module's shards; rethrows its error.
   void wait_for_updates() const;
 
@@ -147,6 +150,17 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
  protected:
   /// Collective over the dp group. `kind` names the module in errors ("Block", …).
   ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind);
+
+  /// How parameters form groups beyond (dtype, requires_grad, tensor-parallel, weight decay):
+  /// parameters of different units never share one (`unit` maps a parameter's index in the
+  /// wrapped module's parameter order to its unit; unset: one unit), and a group takes no more
+  /// parameters once it holds `max_group_bytes` (0: no limit; one parameter may exceed it).
+  struct Grouping {
+    std::function<int(size_t)> unit;
+    int64_t max_group_bytes = 0;
+  };
+  ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind,
+                const Grouping& grouping);
 
   /// Runs `fn(inputs)` under the ZeRO protocol and returns its outputs, connected to autograd.
   std::vector<torch::Tensor> run(const Fn& fn, const std::vector<torch::Tensor>& inputs);
