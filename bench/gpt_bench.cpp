@@ -15,6 +15,8 @@
 // draws by parameter name, so both get bit-identical weights), the same fused AdamW, and no
 // ztrain engine and no communication: under mpirun every rank trains its own replica, so the
 // figure is the data-parallel ceiling of the machine's cores (no gradient exchange at all).
+// `--system booster --plugin ddp|zero1|zero2|fsdp`: the plain model (models::PlainGpt) trained
+// through ztrain::Booster with the DataParallel, LowLevelZero (stage 1, 2) or FullyShard plugin.
 // `--offload`: AdamOffload in place of AdamW (its state in host memory, pinned for a device's
 // parameters; the update on the CPU), for the largest model a device holds.
 //
@@ -77,42 +79,7 @@ Spread spread(std::vector<double> v) {
 
 json to_json(const Spread& s) { return {{"median", s.median}, {"p10", s.p10}, {"p90", s.p90}}; }
 
-// ---- the plain libtorch model ------------------------------------------------------------------
-
-struct PlainTransformerImpl : torch::nn::Module {
-  explicit PlainTransformerImpl(const GptConfig& c)
-      : wte(c.vocab_size, c.d_model), wpe(c.context, c.d_model),
-        ln_f(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)) {
-    register_module("wte", wte);
-    register_module("wpe", wpe);
-    for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(zt::models::GptBlock(c));
-    register_module("h", h);
-    register_module("ln_f", ln_f);
-  }
-  torch::nn::Embedding wte, wpe;
-  torch::nn::ModuleList h;
-  torch::nn::LayerNorm ln_f;
-};
-TORCH_MODULE(PlainTransformer);
-
-/// The GPT of models/gpt.h without ztrain's engine: same parameter names, same arithmetic.
-struct PlainGptImpl : torch::nn::Module {
-  explicit PlainGptImpl(const GptConfig& c) : transformer(c) {
-    register_module("transformer", transformer);
-    to(c.dtype);
-  }
-  torch::Tensor loss(const torch::Tensor& tokens) {
-    auto inputs = tokens.slice(1, 0, -1);
-    auto& tr = *transformer;
-    auto x = tr.wte(inputs) + tr.wpe(torch::arange(inputs.size(1), inputs.options()));
-    for (const auto& block : *tr.h) x = block->as<zt::models::GptBlock>()->forward(x);
-    auto logits = torch::matmul(tr.ln_f(x), tr.wte->weight.t());
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
-                                                tokens.slice(1, 1).reshape(-1));
-  }
-  PlainTransformer transformer;
-};
-TORCH_MODULE(PlainGpt);
+using zt::models::PlainGpt;  // the same GPT in plain libtorch modules, no engine
 
 // ---- measurements ------------------------------------------------------------------------------
 
@@ -191,6 +158,11 @@ json zero_formula(int64_t psi, c10::ScalarType dtype, int level, int n) {
   return {{"paper", formula(1, 2, 3)}, {"design", formula(1, 1, 2)}};
 }
 
+/// The ZeRO stage of a booster plugin, for the formula.
+int plugin_stage(const std::string& plugin) {
+  return plugin == "ddp" ? 0 : plugin == "zero1" ? 1 : plugin == "zero2" ? 2 : 3;
+}
+
 /// Batches of byte tokens [batch, seq + 1] from a text file.
 class Batches {
  public:
@@ -232,6 +204,7 @@ struct Args {
   int steps = 10, warmup = 3;
   std::string data = "data/tinyshakespeare.txt";
   std::string json_path, profile_path, tag;
+  std::string plugin = "ddp";
   bool probe = false, offload = false;
   std::optional<std::string> device;  // not set: ZTRAIN_DEVICE, else the CPU
 };
@@ -245,7 +218,10 @@ int run(const Args& a) {
   auto& rt = zt::init_distributed({.seed = 1234, .device = device_option});
   const auto device = rt.device();
   auto& world = rt.world();
-  ZTRAIN_CHECK(a.system == "ztrain" || a.system == "plain", "--system must be ztrain or plain, got ", a.system);
+  ZTRAIN_CHECK(a.system == "ztrain" || a.system == "plain" || a.system == "booster",
+               "--system must be ztrain, plain or booster, got ", a.system);
+  ZTRAIN_CHECK(a.plugin == "ddp" || a.plugin == "zero1" || a.plugin == "zero2" || a.plugin == "fsdp",
+               "--plugin must be ddp, zero1, zero2 or fsdp, got ", a.plugin);
   ZTRAIN_CHECK(a.level >= 0 && a.level <= 3, "--level must be 0..3, got ", a.level);
   ZTRAIN_CHECK(a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be fp32 or bf16, got ", a.dtype);
   const int steps = world.broadcast_object(a.steps, 0), warmup = world.broadcast_object(a.warmup, 0);
@@ -260,7 +236,7 @@ int run(const Args& a) {
   const int64_t seq = a.seq.value_or(config.context);
   ZTRAIN_CHECK(seq >= 1 && seq <= config.context, "--seq must be in [1, context = ", config.context, "], got ", seq);
   const int n = rt.world_size();
-  const bool plain = a.system == "plain";
+  const bool plain = a.system == "plain", boosted = a.system == "booster";
   const Batches batches(a.data, seq, a.batch, rt.rank(), n, device);
 
   const json probe = a.probe ? matmul_probe(world, a.batch * seq, config.d_model) : json();
@@ -269,7 +245,7 @@ int run(const Args& a) {
   // The model, its initialisation and the optimizer.
   std::shared_ptr<torch::nn::Module> module;
   std::function<torch::Tensor(const torch::Tensor&)> loss_of;
-  if (plain) {
+  if (plain || boosted) {
     PlainGpt m(config);
     m->to(device);
     loss_of = [m](const torch::Tensor& t) mutable { return m->loss(t); };
@@ -288,6 +264,19 @@ int run(const Args& a) {
     optimizer = std::make_unique<zt::optim::AdamW>(module->parameters(), adam);
   }
   auto& opt = *optimizer;
+  std::shared_ptr<zt::Plugin> plugin;
+  std::optional<zt::Booster> booster;
+  if (boosted) {
+    if (a.plugin == "ddp") {
+      plugin = std::make_shared<zt::DataParallel>();
+    } else if (a.plugin == "fsdp") {
+      plugin = std::make_shared<zt::FullyShard>();
+    } else {
+      plugin = std::make_shared<zt::LowLevelZero>(zt::LowLevelZeroOptions{.stage = a.plugin == "zero1" ? 1 : 2});
+    }
+    booster.emplace(plugin);
+    booster->boost(*module, opt);
+  }
   std::vector<MPI_Comm> streams;  // the engine's gather and reduce communicators
   if (!plain) {
     auto& ctx = rt.context();
@@ -313,7 +302,11 @@ int run(const Args& a) {
     const auto tokens = batches.at(step);
     world.barrier();
     const auto t0 = Clock::now();
-    for (auto& p : module->parameters()) p.mutable_grad().reset();
+    if (booster) {
+      booster->zero_grad();
+    } else {
+      for (auto& p : module->parameters()) p.mutable_grad().reset();
+    }
     auto loss = loss_of(tokens);
     synchronize(device);
     const auto t1 = Clock::now();
@@ -322,10 +315,14 @@ int run(const Args& a) {
     const auto t2 = Clock::now();
     Clock::duration untimed{0};
     if (last) {
-      held = zt::memory_stats(*module, &opt);
+      held = zt::memory_stats(plugin ? plugin->boosted(*module) : *module, &opt);
       untimed = Clock::now() - t2;
     }
-    opt.step();
+    if (booster) {
+      booster->step();  // and the plugin's all-gather of updated shards
+    } else {
+      opt.step();
+    }
     synchronize(device);
     const auto t3 = Clock::now() - untimed;
     const double dt = world.all_reduce_scalar(std::chrono::duration<double>(t3 - t0).count(), zt::ReduceOp::kMax);
@@ -387,7 +384,8 @@ int run(const Args& a) {
       {"bench", "gpt"},
       {"tag", a.tag},
       {"system", a.system},
-      {"level", plain ? json() : json(a.level)},
+      {"level", plain || boosted ? json() : json(a.level)},
+      {"plugin", boosted ? json(a.plugin) : json()},
       {"dtype", a.dtype},
       {"device", device.str()},
       {"ranks", n},
@@ -410,7 +408,7 @@ int run(const Args& a) {
       {"loss_first", first_loss},
       {"loss_last", last_loss},
       {"memory", memory},
-      {"formula", plain ? json() : zero_formula(psi, config.dtype, a.level, n)},
+      {"formula", plain ? json() : zero_formula(psi, config.dtype, boosted ? plugin_stage(a.plugin) : a.level, n)},
       {"comm_bytes_per_step", comm},
       {"flops_per_token", flops_per_token},
       {"model_gflops_per_rank", flops_per_token * tokens_per_s / n / 1e9},
@@ -429,7 +427,10 @@ int run(const Args& a) {
 int main(int argc, char** argv) try {
   CLI::App app("gpt_bench: one GPT training configuration — tokens/s, memory, bytes sent, FLOP/s");
   Args a;
-  app.add_option("--system", a.system, "ztrain (the GPT with ZeRO) or plain (plain libtorch modules, no engine)");
+  app.add_option("--system", a.system,
+                 "ztrain (the GPT with ZeRO), plain (plain libtorch modules, no engine) or booster (the plain "
+                 "modules through ztrain::Booster)");
+  app.add_option("--plugin", a.plugin, "ddp, zero1, zero2 or fsdp (system booster)")->capture_default_str();
   app.add_option("--preset", a.preset, "tiny, small, medium, gpt2")->capture_default_str();
   app.add_option("--d-model", a.d_model, "override the preset's width");
   app.add_option("--layers", a.layers, "override the preset's blocks");

@@ -10,6 +10,7 @@
 ///   }
 #include <ztrain/booster/booster.h>
 #include <ztrain/booster/data_parallel.h>
+#include <ztrain/booster/fully_shard.h>
 #include <ztrain/booster/low_level_zero.h>
 #include <ztrain/ckpt/checkpoint.h>
 #include <ztrain/ckpt/model_file.h>
@@ -21,6 +22,7 @@
 #include <ztrain/optim/adam_offload.h>
 #include <ztrain/models/gpt.h>
 #include <ztrain/models/gpt_pipeline.h>
+#include <ztrain/models/plain_gpt.h>
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>
 #include <ztrain/optim/optim_manager.h>
@@ -34,6 +36,7 @@
 #include <ztrain/version.h>
 #include <ztrain/zero/block.h>
 #include <ztrain/zero/block_list.h>
+#include <ztrain/zero/layer_list.h>
 #include <ztrain/zero/distributed_parameter.h>
 #include <ztrain/zero/flat_param.h>
 #include <ztrain/zero/init_parameters.h>

@@ -20,6 +20,19 @@ void check_optimizer_over(torch::nn::Module& model, const torch::optim::Optimize
   }
 }
 
+void check_no_state(const torch::optim::Optimizer& optimizer, const std::string& who) {
+  ZTRAIN_CHECK(optimizer.state().empty(), who, ": the optimizer holds state already; it is kept per shard, "
+               "so boost() before the first step");
+}
+
+std::shared_ptr<torch::nn::Module> shared_module(torch::nn::Module& module) {
+  try {
+    return module.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    return {std::shared_ptr<torch::nn::Module>(), &module};
+  }
+}
+
 void move_to_device(torch::nn::Module& model, const torch::optim::Optimizer& optimizer, c10::Device device,
                     const std::string& who) {
   bool elsewhere = false;

@@ -14,6 +14,13 @@ namespace ztrain::detail {
 /// Refuses an optimizer that updates a tensor that is not one of `model`'s parameters.
 void check_optimizer_over(torch::nn::Module& model, const torch::optim::Optimizer& optimizer, const std::string& who);
 
+/// Refuses an optimizer that holds state already: a sharding plugin swaps its parameters.
+void check_no_state(const torch::optim::Optimizer& optimizer, const std::string& who);
+
+/// `module` as a shared_ptr: its owner's when a holder owns it, else one that does not own it
+/// (the caller keeps the module alive).
+std::shared_ptr<torch::nn::Module> shared_module(torch::nn::Module& module);
+
 /// Moves a model built elsewhere to `device` (Module::to keeps the parameter objects, so the
 /// optimizer's references hold); refuses when the optimizer holds state already, which would
 /// not follow.

@@ -149,10 +149,10 @@ class GeneratorStateGuard {
 // ---- construction ------------------------------------------------------------------------------
 
 ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind)
-    : ShardedModule(std::move(wrapped), options, std::move(kind), Grouping{}) {}
+    : ShardedModule(std::move(wrapped), options, std::move(kind), ShardGrouping{}) {}
 
 ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind,
-                             const Grouping& grouping)
+                             const ShardGrouping& grouping)
     : wrapped_(std::move(wrapped)), options_(options), kind_(std::move(kind)) {
   ZTRAIN_CHECK(wrapped_ != nullptr, kind_, ": the module to wrap is null");
   policy_ = &level_policy(options_.zero_level, kind_ + ": zero_level");
@@ -167,7 +167,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     bool requires_grad;
     bool tp_distinct;  // tensor-parallel slices, kept apart from replicated parameters
     bool decays;       // weight decay applies (optim::default_weight_decay), kept apart from the rest
-    int unit;          // Grouping::unit
+    int unit;          // ShardGrouping::unit
     bool operator==(const Key&) const = default;
   };
   std::vector<Key> keys;  // one per group; a key's groups after its last are closed
@@ -191,11 +191,12 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     ZTRAIN_CHECK(!detail::is_flat_buffer(p), kind_, ": parameter '", item.name,
                  "' already belongs to another Block or DistributedParameter; a module can be wrapped "
                  "only once (build a new module for each block)");
-    signature << detail::describe(item.name, p.scalar_type(), p.sizes(), p.requires_grad()) << "\n";
+    const int unit = grouping.unit ? grouping.unit(p) : 0;
+    signature << detail::describe(item.name, p.scalar_type(), p.sizes(), p.requires_grad())
+              << (unit != 0 ? c10::str(" (unit ", unit, ")") : "") << "\n";
     const auto* record = item.record;
     const bool split = record && record->tp_split && record->tp_group && record->tp_group->size() > 1;
-    const Key key{p.scalar_type(), p.requires_grad(), split, p.requires_grad() && decays[i],
-                  grouping.unit ? grouping.unit(i) : 0};
+    const Key key{p.scalar_type(), p.requires_grad(), split, p.requires_grad() && decays[i], unit};
     const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
     size_t g = keys.size();
     while (g > 0 && !(keys[g - 1] == key)) --g;
@@ -275,6 +276,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     groups_.push_back(std::move(group));
   }
   order_ = std::move(order);
+  held_grads_.resize(groups_.size());
   gathered_ = !policy_->shards_parameters;
 }
 
@@ -517,7 +519,6 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
 }
 
 void ShardedModule::reduce_gradient(size_t g, torch::Tensor flat_grad) {
-  if (held_grads_.size() < groups_.size()) held_grads_.resize(groups_.size());
   auto& held = held_grads_[g];
   torch::NoGradGuard no_grad;
   if (!gradient_sync_) {

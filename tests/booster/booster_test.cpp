@@ -393,6 +393,49 @@ TEST(LowLevelZero, ShardsOptimizerStateAndAtStageTwoGradients) {
   }
 }
 
+TEST(LowLevelZero, OffloadedAdamUpdatesTheShardsAsAdamW) {
+  // AdamOffload built over the model before boost() updates the shards it is handed, with its
+  // state in host memory: the same steps as ztrain's AdamW, state 1/dp.
+  const ModelConfig c;
+  auto& dp = runtime().dp();
+  std::vector<std::vector<torch::Tensor>> finals;
+  for (bool offload : {false, true}) {
+    SCOPED_TRACE(offload ? "AdamOffload" : "AdamW");
+    RefModel model = seeded_model(c, 3);
+    std::unique_ptr<optim::AdamW> opt = offload
+        ? std::make_unique<optim::AdamOffload>(*model, optim::AdamOptions(1e-3))
+        : std::make_unique<optim::AdamW>(model->parameters(), optim::AdamOptions(1e-3));
+    auto plugin = zero_stage(2);
+    Booster booster(plugin, {.max_grad_norm = 1.0});
+    booster.boost(*model, *opt);
+    for (int step = 0; step < 5; ++step) {
+      booster.zero_grad();
+      const auto tokens = local_share(step, c.vocab).to(runtime().device());
+      booster.backward(lm_loss(model(tokens), tokens));
+      EXPECT_TRUE(booster.step());
+    }
+    if (offload) static_cast<optim::AdamOffload&>(*opt).wait();
+    int64_t state = 0, total = 0;
+    for (const auto& group : opt->param_groups()) {
+      for (const auto& shard : group.params()) {
+        const auto* s = opt->state_of(shard);
+        ASSERT_NE(s, nullptr);
+        EXPECT_EQ(s->exp_avg.device(), offload ? torch::Device(torch::kCPU) : runtime().device());
+        state += s->exp_avg.numel();
+      }
+    }
+    for (const auto& p : model->parameters()) total += p.numel();
+    const int64_t slack = 16 * (static_cast<int64_t>(model->parameters().size()) + plugin->stats().buckets * dp.size());
+    EXPECT_LE(state * dp.size(), total + slack);
+    finals.push_back(values(*model));
+  }
+  // Bit for bit on the CPU; on a GPU AdamW is libtorch's fused kernel, AdamOffload the host's.
+  const double tol = runtime().device().is_cuda() ? 1e-5 : 0;
+  for (size_t i = 0; i < finals[0].size(); ++i) {
+    EXPECT_TRUE(tensors_equal(finals[0][i], finals[1][i], tol, tol)) << "parameter " << i;
+  }
+}
+
 TEST(LowLevelZero, CheckpointsLoadUnderEitherPlugin) {
   const ModelConfig c;
   const auto dir = shared_temp_dir("booster_zero_ckpt");

@@ -26,6 +26,9 @@
 /// tensors under the model's names, save_optimizer the state in the resharding format, so a run
 /// saved here loads under DataParallel, or at another world size, and back.
 ///
+/// Optimizer offload: build optim::AdamOffload over the model before boost(); it keeps the
+/// shards' state in host memory and updates them inside step().
+///
 /// What a model must do: nothing beyond being a torch::nn::Module owned by a shared_ptr (a
 /// TORCH_MODULE holder) or outliving the booster, with each parameter tensor registered under
 /// one name. The optimizer must not hold state yet (boost before the first step).
@@ -57,7 +60,7 @@ class LowLevelZero : public Plugin {
 
   std::string name() const override { return "LowLevelZero"; }
   void boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) override;
-  /// The module holding the shards (a ShardedModule at level 1 over the model).
+  /// The module holding the shards (a level-1 ShardedModule over the model).
   torch::nn::Module& boosted(torch::nn::Module& model) override;
   void set_gradient_sync(bool on) override;
   void after_zero_grad() override;

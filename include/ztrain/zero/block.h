@@ -104,6 +104,9 @@ class BlockImpl : public ShardedModule {
  public:
   explicit BlockImpl(M module, BlockOptions options = {})
       : ShardedModule(detail::module_impl(module), options, "Block"), module_(std::move(module)) {}
+  /// With the flat groups formed as `grouping` says (plugins: optimizer parameter groups kept apart).
+  BlockImpl(M module, BlockOptions options, const ShardGrouping& grouping)
+      : ShardedModule(detail::module_impl(module), options, "Block", grouping), module_(std::move(module)) {}
 
   template <class... Args>
   auto forward(Args&&... args) {

@@ -88,6 +88,17 @@ struct ShardGroup {
   Communicator* tp_group = nullptr;
 };
 
+/// How a sharded module forms its flat groups beyond (dtype, requires_grad, tensor-parallel,
+/// weight decay): parameters of different units never share a group (`unit` maps a parameter
+/// to its unit; unset: one unit; every dp rank must give the same, as the ranks compare them),
+/// and a group takes no more parameters once it holds `max_group_bytes` (0: no limit; one
+/// parameter may exceed it). Plugins use it to keep optimizer parameter groups apart and to cut
+/// buckets.
+struct ShardGrouping {
+  std::function<int(const torch::Tensor&)> unit;
+  int64_t max_group_bytes = 0;
+};
+
 class ShardedModule : public torch::nn::Module, public ParameterRecords {
  public:
   /// A forward over a list of tensors.
@@ -151,16 +162,8 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   /// Collective over the dp group. `kind` names the module in errors ("Block", …).
   ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind);
 
-  /// How parameters form groups beyond (dtype, requires_grad, tensor-parallel, weight decay):
-  /// parameters of different units never share one (`unit` maps a parameter's index in the
-  /// wrapped module's parameter order to its unit; unset: one unit), and a group takes no more
-  /// parameters once it holds `max_group_bytes` (0: no limit; one parameter may exceed it).
-  struct Grouping {
-    std::function<int(size_t)> unit;
-    int64_t max_group_bytes = 0;
-  };
   ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOptions options, std::string kind,
-                const Grouping& grouping);
+                const ShardGrouping& grouping);
 
   /// Runs `fn(inputs)` under the ZeRO protocol and returns its outputs, connected to autograd.
   std::vector<torch::Tensor> run(const Fn& fn, const std::vector<torch::Tensor>& inputs);

@@ -1,0 +1,151 @@
+#pragma once
+// A Llama-style decoder in plain libtorch: RMSNorm, rotary position embeddings, causal
+// self-attention, a SwiGLU feed-forward and an untied output head. The Booster trains it
+// unchanged under every plugin (examples/llama/train.cpp); nothing here knows about ranks. Its
+// one ztrain type is the layer stack, a ztrain::LayerList (a drop-in for torch::nn::ModuleList),
+// which is what lets FullyShard shard the layers one by one.
+
+#include <ztrain/zero/layer_list.h>
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+namespace llama {
+
+struct Config {
+  int64_t vocab = 256;    // byte tokens
+  int64_t dim = 128;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t hidden = 344;   // SwiGLU width: about 8/3 × dim
+  int64_t context = 128;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+};
+
+/// Root-mean-square layer norm (no mean subtraction, no bias).
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps) : eps(eps) { weight = register_parameter("weight", torch::ones({dim})); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
+  }
+  double eps;
+  torch::Tensor weight;
+};
+TORCH_MODULE(RMSNorm);
+
+/// cos and sin of the rotary angles, [context, head_dim / 2] each.
+inline std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t context, int64_t head_dim, double theta) {
+  auto inv = torch::pow(theta, -torch::arange(0, head_dim, 2, torch::kFloat64) / static_cast<double>(head_dim));
+  auto angles = torch::outer(torch::arange(context, torch::kFloat64), inv);
+  return {angles.cos().to(torch::kFloat32), angles.sin().to(torch::kFloat32)};
+}
+
+/// Rotates pairs (x[2i], x[2i+1]) of the last dimension of x [batch, heads, t, head_dim].
+inline torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const auto t = x.size(2);
+  auto pairs = x.unflatten(-1, {-1, 2});
+  auto even = pairs.select(-1, 0), odd = pairs.select(-1, 1);
+  auto c = cos.slice(0, 0, t).to(x.dtype()), s = sin.slice(0, 0, t).to(x.dtype());
+  return torch::stack({even * c - odd * s, even * s + odd * c}, -1).flatten(-2);
+}
+
+struct AttentionImpl : torch::nn::Module {
+  explicit AttentionImpl(const Config& c)
+      : heads(c.heads), head_dim(c.dim / c.heads),
+        wq(torch::nn::LinearOptions(c.dim, c.dim).bias(false)), wk(torch::nn::LinearOptions(c.dim, c.dim).bias(false)),
+        wv(torch::nn::LinearOptions(c.dim, c.dim).bias(false)), wo(torch::nn::LinearOptions(c.dim, c.dim).bias(false)) {
+    register_module("wq", wq);
+    register_module("wk", wk);
+    register_module("wv", wv);
+    register_module("wo", wo);
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    const auto b = x.size(0), t = x.size(1);
+    auto split = [&](const torch::Tensor& y) { return y.view({b, t, heads, head_dim}).transpose(1, 2); };
+    auto q = rotate(split(wq(x)), cos, sin), k = rotate(split(wk(x)), cos, sin), v = split(wv(x));
+    auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+    auto mask = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
+    auto att = torch::softmax(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+    return wo(torch::matmul(att, v).transpose(1, 2).reshape({b, t, -1}));
+  }
+  int64_t heads, head_dim;
+  torch::nn::Linear wq, wk, wv, wo;
+};
+TORCH_MODULE(Attention);
+
+struct FeedForwardImpl : torch::nn::Module {
+  explicit FeedForwardImpl(const Config& c)
+      : w1(torch::nn::LinearOptions(c.dim, c.hidden).bias(false)), w2(torch::nn::LinearOptions(c.hidden, c.dim).bias(false)),
+        w3(torch::nn::LinearOptions(c.dim, c.hidden).bias(false)) {
+    register_module("w1", w1);
+    register_module("w2", w2);
+    register_module("w3", w3);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return w2(torch::silu(w1(x)) * w3(x)); }
+  torch::nn::Linear w1, w2, w3;
+};
+TORCH_MODULE(FeedForward);
+
+struct DecoderLayerImpl : torch::nn::Module {
+  explicit DecoderLayerImpl(const Config& c)
+      : attention_norm(c.dim, c.norm_eps), attention(c), ffn_norm(c.dim, c.norm_eps), feed_forward(c) {
+    register_module("attention_norm", attention_norm);
+    register_module("attention", attention);
+    register_module("ffn_norm", ffn_norm);
+    register_module("feed_forward", feed_forward);
+  }
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
+    x = x + attention(attention_norm(x), cos, sin);
+    return x + feed_forward(ffn_norm(x));
+  }
+  RMSNorm attention_norm;
+  Attention attention;
+  RMSNorm ffn_norm;
+  FeedForward feed_forward;
+};
+TORCH_MODULE(DecoderLayer);
+
+struct LlamaImpl : torch::nn::Module {
+  explicit LlamaImpl(const Config& c)
+      : config(c), tok_embeddings(c.vocab, c.dim), norm(c.dim, c.norm_eps),
+        output(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)) {
+    TORCH_CHECK(c.dim % c.heads == 0 && (c.dim / c.heads) % 2 == 0, "llama: dim / heads must be even");
+    register_module("tok_embeddings", tok_embeddings);
+    for (int64_t i = 0; i < c.layers; ++i) layers->push_back(DecoderLayer(c));
+    register_module("layers", layers);
+    register_module("norm", norm);
+    register_module("output", output);
+    auto [cos, sin] = rotary_tables(c.context, c.dim / c.heads, c.rope_theta);
+    rope_cos = register_buffer("rope_cos", cos);
+    rope_sin = register_buffer("rope_sin", sin);
+    // Llama's initialisation: normal(0, 0.02) for every matrix, ones for the norms.
+    torch::NoGradGuard no_grad;
+    for (auto& p : named_parameters()) {
+      if (p.value().dim() == 2) p.value().normal_(0.0, 0.02);
+    }
+  }
+  /// Logits [batch, t, vocab] of tokens [batch, t].
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    auto x = tok_embeddings(tokens);
+    for (auto& layer : *layers) x = layer(x, rope_cos, rope_sin);
+    return output(norm(x));
+  }
+  /// Mean next-token cross-entropy over tokens [batch, t + 1].
+  torch::Tensor loss(const torch::Tensor& tokens) {
+    auto logits = forward(tokens.slice(1, 0, -1));
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), tokens.slice(1, 1).reshape(-1));
+  }
+  Config config;
+  torch::nn::Embedding tok_embeddings;
+  ztrain::LayerList<DecoderLayer> layers;
+  RMSNorm norm;
+  torch::nn::Linear output;
+  torch::Tensor rope_cos, rope_sin;
+};
+TORCH_MODULE(Llama);
+
+}  // namespace llama

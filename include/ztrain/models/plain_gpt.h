@@ -1,0 +1,56 @@
+#pragma once
+/// PlainGpt: the GPT of models/gpt.h in plain libtorch modules — the same blocks (GptBlock),
+/// parameter names and arithmetic, with no ztrain engine inside: the model a Booster plugin
+/// takes unchanged, and the single-process reference. Its blocks sit in a LayerList, which
+/// FullyShard wraps one by one.
+///
+///   ztrain::models::PlainGpt model(ztrain::models::GptConfig::preset("small"));
+///   booster.boost(*model, optimizer);
+///   auto loss = model->loss(tokens);     // tokens [batch, seq + 1]
+
+#include <ztrain/models/gpt.h>
+#include <ztrain/zero/layer_list.h>
+
+#include <torch/torch.h>
+
+namespace ztrain::models {
+
+struct PlainTransformerImpl : torch::nn::Module {
+  explicit PlainTransformerImpl(const GptConfig& c)
+      : wte(c.vocab_size, c.d_model), wpe(c.context, c.d_model),
+        ln_f(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)) {
+    register_module("wte", wte);
+    register_module("wpe", wpe);
+    for (int64_t i = 0; i < c.n_layer; ++i) h->push_back(GptBlock(c));
+    register_module("h", h);
+    register_module("ln_f", ln_f);
+  }
+  torch::nn::Embedding wte, wpe;
+  LayerList<GptBlock> h;
+  torch::nn::LayerNorm ln_f;
+};
+TORCH_MODULE(PlainTransformer);
+
+struct PlainGptImpl : torch::nn::Module {
+  explicit PlainGptImpl(const GptConfig& c) : transformer(c) {
+    register_module("transformer", transformer);
+    to(c.dtype);
+  }
+  /// Logits [batch, seq, vocab] for tokens [batch, seq]; the head is the token embedding.
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    auto& tr = *transformer;
+    auto x = tr.wte(tokens) + tr.wpe(torch::arange(tokens.size(1), tokens.options()));
+    for (auto& block : *tr.h) x = block(x);
+    return torch::matmul(tr.ln_f(x), tr.wte->weight.t());
+  }
+  /// Mean next-token cross-entropy over tokens [batch, seq + 1].
+  torch::Tensor loss(const torch::Tensor& tokens) {
+    auto logits = forward(tokens.slice(1, 0, -1));
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
+                                                tokens.slice(1, 1).reshape(-1));
+  }
+  PlainTransformer transformer;
+};
+TORCH_MODULE(PlainGpt);
+
+}  // namespace ztrain::models

@@ -1,0 +1,124 @@
+#pragma once
+/// LayerList: a model's repeated layers, held as torch::nn::ModuleList holds them, that the
+/// FullyShard plugin can wrap into ZeRO-3 Blocks without the model's code changing.
+///
+///   struct ModelImpl : torch::nn::Module {
+///     ModelImpl() {
+///       for (int i = 0; i < 12; ++i) layers->push_back(Layer(512));
+///       register_module("layers", layers);
+///     }
+///     torch::Tensor forward(torch::Tensor x) {
+///       for (auto& layer : *layers) x = layer(x, mask);   // or: x = layers(x, mask)
+///       return x;
+///     }
+///     ztrain::LayerList<Layer> layers;
+///   };
+///
+/// Alone, or under DataParallel and LowLevelZero, it is a list of plain layers called in order;
+/// the children are named 0, 1, … as ModuleList names them, so files and names are the same.
+/// shard() (FullyShard calls it) wraps every layer in a Block — ZeRO level 3 over the dp group,
+/// the next layers prefetched in list order — registered in the layer's place under the same
+/// name; from then on every call goes through the Blocks, and `layer.module()` is still the
+/// user's layer. A layer's forward must be one a Block can wrap: tensors and other arguments
+/// in, a tensor, a tuple or pair of tensors, or a vector of tensors out (zero/block.h).
+
+#include <ztrain/error.h>
+#include <ztrain/zero/block_list.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ztrain {
+
+/// What FullyShard needs of any LayerList<M>.
+class LayerListBase : public torch::nn::Module {
+ public:
+  virtual size_t size() const = 0;
+  /// Wraps every layer in a Block with `options`, its flat groups formed by `grouping`, in
+  /// place (collective over the dp group). Once.
+  virtual void shard(const BlockOptions& options, const ShardGrouping& grouping) = 0;
+  /// The Blocks, in order, after shard(); empty before.
+  virtual std::vector<ShardedModule*> blocks() = 0;
+};
+
+template <class M>
+class LayerListImpl : public LayerListBase {
+ public:
+  /// One layer, called like the layer itself; through its Block once sharded.
+  class Layer {
+   public:
+    template <class... Args>
+    auto operator()(Args&&... args) {
+      if (list_->blocks_.empty()) return list_->layers_[index_](std::forward<Args>(args)...);
+      return list_->blocks_[index_](std::forward<Args>(args)...);
+    }
+    /// The user's layer.
+    M& module() { return list_->layers_[index_]; }
+
+   private:
+    friend class LayerListImpl;
+    Layer(LayerListImpl* list, size_t index) : list_(list), index_(index) {}
+    LayerListImpl* list_;
+    size_t index_;
+  };
+
+  void push_back(M layer) {
+    ZTRAIN_CHECK(blocks_.empty(), "LayerList: push_back after shard()");
+    ZTRAIN_CHECK(!layer.is_empty(), "LayerList: layer ", layers_.size(), " is empty");
+    register_module(std::to_string(layers_.size()), layer.ptr());
+    layers_.push_back(std::move(layer));
+    handles_.push_back(Layer(this, handles_.size()));
+  }
+  size_t size() const override { return layers_.size(); }
+  Layer& operator[](size_t i) {
+    ZTRAIN_CHECK(i < handles_.size(), "LayerList: index ", i, " out of range for ", handles_.size(), " layers");
+    return handles_[i];
+  }
+  auto begin() { return handles_.begin(); }
+  auto end() { return handles_.end(); }
+
+  /// Runs every layer in order on x; each must return one tensor.
+  template <class... Extra>
+  torch::Tensor forward(torch::Tensor x, const Extra&... extra) {
+    for (auto& layer : handles_) x = layer(x, extra...);
+    return x;
+  }
+
+  void shard(const BlockOptions& options, const ShardGrouping& grouping) override {
+    ZTRAIN_CHECK(blocks_.empty(), "LayerList: shard() was called already; a layer can be wrapped once");
+    std::vector<Block<M>> blocks;
+    for (auto& layer : layers_) blocks.emplace_back(std::make_shared<BlockImpl<M>>(layer, options, grouping));
+    linked_ = std::make_shared<BlockListImpl<M>>(blocks);  // prefetch neighbours in list order
+    for (size_t i = 0; i < blocks.size(); ++i) replace_module(std::to_string(i), blocks[i].ptr());
+    blocks_ = std::move(blocks);
+  }
+  std::vector<ShardedModule*> blocks() override {
+    std::vector<ShardedModule*> out;
+    for (auto& b : blocks_) out.push_back(b.get());
+    return out;
+  }
+
+ private:
+  std::vector<M> layers_;
+  std::vector<Layer> handles_;
+  std::vector<Block<M>> blocks_;
+  std::shared_ptr<BlockListImpl<M>> linked_;
+};
+
+/// The module holder of LayerListImpl<M>, like TORCH_MODULE: `ztrain::LayerList<Layer> layers;`
+/// is an empty list.
+template <class M>
+class LayerList : public torch::nn::ModuleHolder<LayerListImpl<M>> {
+ public:
+  using torch::nn::ModuleHolder<LayerListImpl<M>>::ModuleHolder;
+  LayerList() : torch::nn::ModuleHolder<LayerListImpl<M>>(std::make_shared<LayerListImpl<M>>()) {}
+  /// Calls forward (ModuleHolder's operator() cannot see a template forward).
+  template <class... Args>
+  auto operator()(Args&&... args) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
+};
+
+}  // namespace ztrain
