@@ -85,6 +85,7 @@ struct TrainArgs {
   uint64_t seed = 1234;
   int tp = 1;
   int pp = 1;
+  std::string plugin;  // empty: models::Gpt on the ZeRO engine; else the Booster's plugin
   std::optional<int64_t> micro_batches;  // with pp: per step (default 2 × pp)
   int chunks = 2;                        // per rank, with the interleaved schedule
   bool offload = false;
@@ -304,33 +305,58 @@ Validation evaluate(torch::nn::Module& model, const std::function<torch::Tensor(
   return {nats / static_cast<double>(std::max<int64_t>(tokens, 1)), nats / static_cast<double>(std::max<int64_t>(bytes, 1))};
 }
 
-/// What train runs: Gpt, or GptPipeline with several pipeline stages, behind one interface.
+/// What train runs: Gpt, PlainGpt under a Booster plugin, or GptPipeline with several pipeline
+/// stages, behind one interface.
 struct Trainee {
   std::shared_ptr<torch::nn::Module> module;
-  /// Forward and backward of one step's micro-batches through the manager's loss scaling;
-  /// returns the mean loss (over the micro-batches and dp).
+  /// A pipeline's forward and backward of one step's micro-batches through the manager's loss
+  /// scaling, returning the mean loss (over the micro-batches and dp). Unset: accumulate().
   std::function<double(const std::vector<torch::Tensor>&, zt::optim::OptimManager&)> step;
   std::function<torch::Tensor(const torch::Tensor&)> loss;
+  /// While the returned guard lives, backward passes hold their gradients unreduced (set by
+  /// train() for a plugin, whose booster exists only once the optimizer does).
+  std::function<std::shared_ptr<void>()> hold;
 };
+
+/// One step's micro-batches, forward and backward through the manager's loss scaling; the
+/// gradients are reduced once, in the last micro-batch's backward. The mean loss over the
+/// micro-batches and dp.
+double accumulate(const Trainee& t, const std::vector<torch::Tensor>& micro_batches, zt::optim::OptimManager& mgr) {
+  double sum = 0;
+  for (size_t i = 0; i < micro_batches.size(); ++i) {
+    std::shared_ptr<void> hold;
+    if (i + 1 < micro_batches.size()) hold = t.hold();
+    auto loss = t.loss(micro_batches[i]) / static_cast<double>(micro_batches.size());
+    mgr.backward(loss);
+    sum += loss.item<double>();
+  }
+  return zt::sum_loss(torch::tensor(sum)).item<double>();
+}
+
+/// The plugin --plugin names.
+std::shared_ptr<zt::Plugin> make_plugin(const TrainArgs& a) {
+  if (a.plugin == "ddp") return std::make_shared<zt::DataParallel>();
+  if (a.plugin == "zero1" || a.plugin == "zero2") {
+    return std::make_shared<zt::LowLevelZero>(zt::LowLevelZeroOptions{.stage = a.plugin == "zero1" ? 1 : 2});
+  }
+  return std::make_shared<zt::FullyShard>(zt::FullyShardOptions{.use_checkpoint = a.model.recompute});
+}
 
 Trainee make_trainee(const TrainArgs& a, const GptConfig& config) {
   const zt::BlockOptions blocks{.zero_level = a.model.zero_level, .use_checkpoint = a.model.recompute};
   if (a.pp == 1) {
-    Gpt model(config, blocks);
-    return {model.ptr(),
-            [model](const std::vector<torch::Tensor>& micro_batches, zt::optim::OptimManager& mgr) mutable {
-              double sum = 0;
-              for (size_t i = 0; i < micro_batches.size(); ++i) {
-                // Gradients are reduced once per step, in the last micro-batch's backward.
-                std::optional<zt::NoGradientSync> hold;
-                if (i + 1 < micro_batches.size()) hold.emplace(*model);
-                auto loss = model->loss(micro_batches[i]) / static_cast<double>(micro_batches.size());
-                mgr.backward(loss);
-                sum += loss.item<double>();
-              }
-              return zt::sum_loss(torch::tensor(sum)).item<double>();
-            },
-            [model](const torch::Tensor& b) mutable { return model->loss(b); }};
+    Trainee t;
+    if (a.plugin.empty()) {
+      Gpt model(config, blocks);
+      t.module = model.ptr();
+      t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
+      t.hold = [model]() mutable { return std::make_shared<zt::NoGradientSync>(*model); };
+    } else {
+      zt::models::PlainGpt model(config);
+      t.module = model.ptr();
+      t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
+    }
+    return t;
   }
   const auto kind = zt::pipe::parse_schedule_kind(a.pipe_schedule);
   GptPipeline model(config, blocks,
@@ -339,7 +365,7 @@ Trainee make_trainee(const TrainArgs& a, const GptConfig& config) {
           [model](const std::vector<torch::Tensor>& micro_batches, zt::optim::OptimManager& mgr) mutable {
             return model->forward_backward_step(micro_batches, mgr.loss_scale()).item<double>();
           },
-          [model](const torch::Tensor& b) mutable { return model->loss({b}); }};
+          [model](const torch::Tensor& b) mutable { return model->loss({b}); }, nullptr};
 }
 
 /// The file name a tokenizer gets beside a trained model ("bytes" for none).
@@ -428,6 +454,8 @@ int train(TrainArgs a) {
   ZTRAIN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
   ZTRAIN_CHECK(a.pp > 1 || !a.micro_batches, "--micro-batches needs --pp > 1 (use --grad-accum without pipeline stages)");
   ZTRAIN_CHECK(a.pp == 1 || a.grad_accum == 1, "with --pp, a step's micro-batches are --micro-batches, not --grad-accum");
+  ZTRAIN_CHECK(a.plugin.empty() || (a.tp == 1 && a.pp == 1), "--plugin ", a.plugin,
+               " is data parallel only: without --plugin, --tp and --pp train on the ZeRO engine");
   auto& rt = start({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp}, a.where);
   const int dp = rt.dp().size();
   const auto tokenizer = zt::gpt_app::load_tokenizer(a.tokenizer);
@@ -446,10 +474,22 @@ int train(TrainArgs a) {
   auto& model = *trainee.module;
   zt::init_parameters(model, {.seed = a.seed, .init = zt::models::gpt_init(config)});
   auto opt = make_optimizer(a, model);
-  zt::optim::OptimManager mgr(model, config.dtype == torch::kFloat16 ? zt::LossScaler::dynamic() : zt::LossScaler::off());
-  mgr.add_optimizer(*opt, make_schedule(a));
+  const auto scaler = config.dtype == torch::kFloat16 ? zt::LossScaler::dynamic() : zt::LossScaler::off();
+  std::optional<zt::Booster> booster;
+  std::optional<zt::optim::OptimManager> own_manager;
+  if (!a.plugin.empty()) {
+    booster.emplace(make_plugin(a), zt::BoosterOptions{.loss_scaler = scaler, .lr_scheduler = make_schedule(a)});
+    booster->boost(model, *opt);
+    trainee.hold = [&booster] { return std::make_shared<zt::Booster::NoSync>(booster->no_sync()); };
+  } else {
+    own_manager.emplace(model, scaler);
+    own_manager->add_optimizer(*opt, make_schedule(a));
+  }
+  auto& mgr = booster ? booster->manager() : *own_manager;
+  // What checkpoints and the model file hold: the plugin's sharded view, or the model.
+  auto& held = booster ? booster->plugin().boosted(model) : model;
   Sampler sampler(corpus.train_size(), *a.seq, a.batch, rt.dp().rank(), dp, a.seed);
-  const zt::TrainingState state{model, *opt, mgr};
+  const zt::TrainingState state{held, *opt, mgr};
   const std::string ckpt_dir = a.ckpt_dir.empty() ? a.out + "/checkpoints" : a.ckpt_dir;
 
   const std::string tokenizer_name = tokenizer_file_name(*tokenizer);
@@ -460,6 +500,7 @@ int train(TrainArgs a) {
     if (auto dir = newest_verified_checkpoint(ckpt_dir)) {
       check_resumable(*dir, model_config);
       const auto info = zt::load_checkpoint(*dir, state);
+      if (booster) booster->plugin().after_update();
       sampler.set_state(json::parse(info.extra_json).at("sampler").get<zt::gpt_app::SamplerState>());
       step = info.step;
       zt::print_rank("resumed from ", *dir, " (step ", step, ", saved at ", info.world_size, " ranks)");
@@ -480,9 +521,11 @@ int train(TrainArgs a) {
   const int64_t tokens_per_step = a.batch * *a.seq * micro_batches * dp;
   const std::string pipeline =
       a.pp > 1 ? c10::str(", ", a.pipe_schedule, " pipeline of ", micro_batches, " micro-batches") : std::string();
+  const std::string strategy = a.plugin.empty() ? c10::str("ZeRO level ", a.model.zero_level)
+                                                : c10::str("plugin ", booster->plugin().name(), " (", a.plugin, ")");
   zt::print_rank("ztrain-gpt: ", config.num_parameters() / 1e6, " M parameters (", config.n_layer, " x ", config.d_model,
-                 ", ", config.n_head, " heads, context ", config.context, ", ", dtype_name(config.dtype), "), ZeRO level ",
-                 a.model.zero_level, a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
+                 ", ", config.n_head, " heads, context ", config.context, ", ", dtype_name(config.dtype), "), ", strategy,
+                 a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
                  rt.threads(), " thread(s) on ", rt.device(), "; ", tokens_per_step, " tokens per step; data ", corpus.source(), " (",
                  corpus.train_size(), " train / ", corpus.validation_size(), " validation tokens of ",
                  tokenizer_name == "bytes" ? "bytes" : tokenizer->path(), ", vocabulary ", tokenizer->vocab_size(), ")");
@@ -501,13 +544,17 @@ int train(TrainArgs a) {
   for (; step < a.steps; ++step) {
     kill.at("step", step + 1);
     const auto t0 = Clock::now();
-    mgr.zero_grad();
+    if (booster) {
+      booster->zero_grad();
+    } else {
+      mgr.zero_grad();
+    }
     std::vector<torch::Tensor> batches;
     for (int64_t micro = 0; micro < micro_batches; ++micro) batches.push_back(sampler.next(corpus).to(rt.device()));
-    const double loss = trainee.step(batches, mgr);
+    const double loss = trainee.step ? trainee.step(batches, mgr) : accumulate(trainee, batches, mgr);
     const double lr = mgr.current_lr();
     const double norm = a.grad_clip > 0 ? mgr.clip_grad_norm(a.grad_clip) : mgr.grad_norm();
-    const bool applied = mgr.step();
+    const bool applied = booster ? booster->step() : mgr.step();  // the booster's clips nothing more
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
 
     const zt::gpt_app::StepMetrics m{.loss = loss, .lr = lr, .tokens_per_s = tokens_per_step / dt,
@@ -542,7 +589,7 @@ int train(TrainArgs a) {
     }
   }
   bar.finish();
-  zt::save(model, a.out + "/model.safetensors", {.metadata = {{"ztrain_gpt_config", model_config.dump()}}});
+  zt::save(held, a.out + "/model.safetensors", {.metadata = {{"ztrain_gpt_config", model_config.dump()}}});
   if (rt.rank() == 0) std::ofstream(a.out + "/config.json") << hf_config_json(config).dump(2) << "\n";
   zt::print_rank("wrote ", a.out, "/model.safetensors, config.json", tokenizer_name == "bytes" ? "" : ", " + tokenizer_name,
                  " and metrics.jsonl");
@@ -771,6 +818,11 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--pp", t.pp, "pipeline stages: the blocks are cut into this many stages on consecutive groups "
                                       "of ranks (the rank count must be a multiple of tp x pp)")
       ->capture_default_str();
+  train_cmd->add_option("--plugin", t.plugin,
+                        "train the same GPT in plain modules through the Booster: ddp (DataParallel), zero1 or zero2 "
+                        "(LowLevelZero stage 1 or 2) or fsdp (FullyShard: ZeRO-3 per block, --recompute applies); "
+                        "in place of --zero-level, without --tp and --pp")
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "fsdp"}));
   train_cmd->add_option("--micro-batches", t.micro_batches,
                         "with --pp: micro-batches of --batch sequences per step (default 2 x pp)");
   train_cmd->add_option("--chunks", t.chunks, "with --schedule interleaved: model chunks per rank")->capture_default_str();

@@ -58,6 +58,32 @@ score=$("$gpt" score --model "$work/bpe/model.safetensors" --input "$work/score.
 "$gpt" sample --model "$work/bpe/model.safetensors" --prompt "ROMEO:" --tokens 20 > "$work/bpe_sample.txt"
 [[ $(head -c 6 "$work/bpe_sample.txt") == ROMEO: ]] || fail "BPE sample does not start with the prompt"
 
+# The same GPT in plain modules through the Booster's plugins: each run's losses equal the ZeRO
+# engine's (level 3 with recomputation: the 20 steps of the first run above, same seed, data and
+# schedule);
+# a FullyShard checkpoint resumes under LowLevelZero; the plugin's model file evaluates.
+losses() { grep -o '"loss":[0-9.e-]*' "$1" | head -20 | cut -d: -f2; }
+plain=(--data "$work/corpus.txt" --preset tiny --seq 32 --eval-interval 10 --eval-batches 2 --ckpt-interval 10 --recompute)
+for plugin in ddp zero2 fsdp; do
+  "${mp[@]}" -np 2 "$gpt" train "${plain[@]}" --plugin "$plugin" --batch 4 --steps 20 --out "$work/plugin_$plugin" \
+    > "$work/plugin_$plugin.log" 2>&1 || fail "--plugin $plugin: $(tail -3 "$work/plugin_$plugin.log")"
+  grep -q "plugin .*($plugin)" "$work/plugin_$plugin.log" || fail "--plugin $plugin: the run does not say its plugin"
+  paste <(losses "$work/plugin_$plugin/metrics.jsonl") <(losses "$work/run/metrics.jsonl") | awk '
+    { n++; d = $1 - $2; if (d < 0) d = -d; if (d > 1e-4 * $2) { print "step " n ": " $1 " vs " $2; bad = 1 } }
+    END { exit bad || n != 20 }' || fail "--plugin $plugin: the losses differ from the engine's"
+done
+"${mp[@]}" -np 2 "$gpt" train "${plain[@]}" --plugin zero2 --batch 4 --steps 22 --resume --out "$work/plugin_fsdp" \
+  > "$work/plugin_resume.log" 2>&1 \
+  || fail "resuming a FullyShard checkpoint under LowLevelZero: $(tail -3 "$work/plugin_resume.log")"
+grep -q "resumed from .*step-00000020 (step 20" "$work/plugin_resume.log" || fail "--plugin zero2 did not resume at step 20"
+"$gpt" eval --model "$work/plugin_fsdp/model.safetensors" --data "$work/corpus.txt" --seq 32 --eval-batches 2 \
+  | grep -q '^val_loss=' || fail "eval of a --plugin model printed no val_loss"
+if "${mp[@]}" -np 2 "$gpt" train --data "$work/corpus.txt" --preset tiny --plugin fsdp --tp 2 --steps 1 \
+  > "$work/err_plugin.log" 2>&1; then
+  fail "--plugin with --tp accepted"
+fi
+grep -q -- "--plugin fsdp is data parallel only" "$work/err_plugin.log" || fail "the --plugin --tp error: $(cat "$work/err_plugin.log")"
+
 # A corpus that takes longer to tokenize than the communication deadline: the other rank waits
 # for it (its deadline grows with the corpus) instead of taking the first rank for dead.
 mkdir -p "$work/big"
