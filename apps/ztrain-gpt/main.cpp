@@ -525,7 +525,7 @@ int train(TrainArgs a) {
                                                 : c10::str("plugin ", booster->plugin().name(), " (", a.plugin, ")");
   zt::print_rank("ztrain-gpt: ", config.num_parameters() / 1e6, " M parameters (", config.n_layer, " x ", config.d_model,
                  ", ", config.n_head, " heads, context ", config.context, ", ", dtype_name(config.dtype), "), ", strategy,
-                 a.model.recompute ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
+                 a.model.recompute && (a.plugin.empty() || a.plugin == "fsdp") ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
                  rt.threads(), " thread(s) on ", rt.device(), "; ", tokens_per_step, " tokens per step; data ", corpus.source(), " (",
                  corpus.train_size(), " train / ", corpus.validation_size(), " validation tokens of ",
                  tokenizer_name == "bytes" ? "bytes" : tokenizer->path(), ", vocabulary ", tokenizer->vocab_size(), ")");
