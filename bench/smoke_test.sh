@@ -4,7 +4,7 @@
 # The run_all tooling in seconds (a CTest, not a benchmark): gpt_bench on 2 ranks for one step
 # of the small GPT at ZeRO levels 0 and 3, the PyTorch peer's model against gpt_reference.py, one
 # DDP step on 1 rank and one FSDP2 step on 2, one python_bench step on 2 ranks (where the Python
-# package is built), then report.py on the results. Fails unless the
+# package is built), one step under three booster plugins, then report.py on the results. Fails unless the
 # bytes sent per step equal the theory (ring collectives: 2(N-1)/N or 3(N-1)/N of the parameter
 # bytes) and the model state equals ztrain's formula, FSDP2 holds a shard of the parameters, and
 # the section and plots are written.
@@ -49,6 +49,21 @@ peer_tiny = next(r for r in rows if r["system"] == "ddp")
 for r in python:
     assert r["params"] == peer_tiny["params"] and r["tokens_per_s"] > 0, f"python_bench: {r}"
     print(f"python_bench: {r['params']} parameters, {r['tokens_per_s']:.0f} tokens/s")
+EOF
+# The booster's plugins on the plain GPT (bench/booster_bench.sh): each shards the optimizer
+# state as the ZeRO formula says (ztrain's AdamW in fp32: 8 bytes per parameter, over 2 ranks
+# for all but DataParallel; flat buffers pad each parameter to 64 bytes).
+for plugin in ddp zero2 fsdp; do
+  "$mpiexec" -np 2 --oversubscribe --bind-to none "$gpt" --system booster --plugin "$plugin" --preset small --batch 1 \
+    --seq 16 --steps 1 --warmup 1 --data "$data" --json "$work/booster.jsonl" >/dev/null
+done
+"$python" - "$work/booster.jsonl" <<'EOF'
+import json, sys
+for r in (json.loads(l) for l in open(sys.argv[1])):
+    shards = 1 if r["plugin"] == "ddp" else r["ranks"]
+    held, formula = r["memory"]["optimizer"], 8 * r["params"] / shards
+    assert formula <= held <= 1.01 * formula, f"{r['plugin']}: optimizer state {held} bytes, formula {formula:.0f}"
+    print(f"booster {r['plugin']}: optimizer state {held} bytes per rank (formula {formula:.0f}), {r['tokens_per_s']:.0f} tokens/s")
 EOF
 "$python" "$here/report.py" --results "$work" --print --img "$work/img" >"$work/section.md"
 grep -q "Throughput against PyTorch" "$work/section.md"
