@@ -28,7 +28,7 @@ status=0
 if [[ $mode == thread ]]; then
   build=${ZTRAIN_SANITIZE_BUILD_DIR:-$root/build-tsan}
   tests=(comm_stream_test communicator_test host_shared_test block_test block_parity_test adam_test
-         adam_offload_test optim_manager_test checkpoint_test optimizer_state_test booster_test)
+         adam_offload_test optim_manager_test checkpoint_test optimizer_state_test booster_test plugin_parity_test)
   mkdir -p "$build"
   ZTRAIN_BUILD_DIR=$build ZTRAIN_BUILD_TARGETS="${tests[*]}" "$root/scripts/build.sh" -DZTRAIN_SANITIZE=thread \
     -DZTRAIN_BUILD_BENCH=OFF -DZTRAIN_BUILD_APPS=OFF -DZTRAIN_BUILD_PYTHON=OFF >"$build/build.log" 2>&1 ||

@@ -261,18 +261,21 @@ TEST(DataParallel, CheckpointsRoundTrip) {
   if (runtime().rank() == 0) std::filesystem::remove_all(dir);
 }
 
-TEST(DataParallel, RefusesBadInput) {
+/// Ranks holding different models: the plugin names the difference.
+void expect_refuses_models_that_differ(const MakePlugin& make, const std::string& name) {
   auto& dp = runtime().dp();
-  // Ranks holding different models.
-  if (dp.size() > 1) {
-    torch::manual_seed(3);
-    RefModel model(ModelConfig{.dim = dp.rank() == 1 ? 8 : 16});
-    auto opt = make_sgd(*model);
-    Booster booster(std::make_shared<DataParallel>());
-    const auto msg = error_message([&] { booster.boost(*model, opt); });
-    EXPECT_NE(msg.find("dp ranks 0 and 1 hold different models"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("wte.weight"), std::string::npos) << msg;
-  }
+  if (dp.size() == 1) return;
+  torch::manual_seed(3);
+  RefModel model(ModelConfig{.dim = dp.rank() == 1 ? 8 : 16});
+  auto opt = make_sgd(*model);
+  Booster booster(make());
+  const auto msg = error_message([&] { booster.boost(*model, opt); });
+  EXPECT_NE(msg.find(name + ": dp ranks 0 and 1 hold different models"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("wte.weight"), std::string::npos) << msg;
+}
+
+TEST(DataParallel, RefusesBadInput) {
+  expect_refuses_models_that_differ(data_parallel(), "DataParallel");
   torch::manual_seed(3);
   RefModel model(ModelConfig{});
   // An optimizer over tensors that are not the model's.
@@ -477,15 +480,7 @@ TEST(LowLevelZero, CheckpointsLoadUnderEitherPlugin) {
 }
 
 TEST(LowLevelZero, RefusesBadInput) {
-  auto& dp = runtime().dp();
-  if (dp.size() > 1) {
-    torch::manual_seed(3);
-    RefModel model(ModelConfig{.dim = dp.rank() == 1 ? 8 : 16});
-    auto opt = make_sgd(*model);
-    Booster booster(zero_stage(2));
-    const auto msg = error_message([&] { booster.boost(*model, opt); });
-    EXPECT_NE(msg.find("LowLevelZero: dp ranks 0 and 1 hold different models"), std::string::npos) << msg;
-  }
+  expect_refuses_models_that_differ(low_level_zero({}), "LowLevelZero");
   const auto expect_refused = [](LowLevelZeroOptions options, const std::string& what, bool stepped = false) {
     torch::manual_seed(3);
     RefModel model(ModelConfig{});

@@ -37,7 +37,8 @@
 namespace ztrain {
 
 /// How a parallelism strategy prepares a model and takes part in its steps. Implementations:
-/// DataParallel (booster/data_parallel.h), LowLevelZero (booster/low_level_zero.h).
+/// DataParallel (booster/data_parallel.h), LowLevelZero (booster/low_level_zero.h), FullyShard
+/// (booster/fully_shard.h).
 class Plugin {
  public:
   virtual ~Plugin() = default;
@@ -132,7 +133,7 @@ class Booster {
 
   std::shared_ptr<Plugin> plugin_;
   BoosterOptions options_;
-  torch::nn::Module* model_ = nullptr;
+  torch::nn::Module* model_ = nullptr;  // the plugin's boosted view of the model
   torch::optim::Optimizer* optimizer_ = nullptr;
   std::optional<optim::OptimManager> manager_;
   double last_grad_norm_;
