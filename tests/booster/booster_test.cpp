@@ -139,6 +139,20 @@ struct BoostedModel {
   Booster booster;
 };
 
+/// Two backward passes of `tokens` under no_sync, then a synced one: the plugin's stats after
+/// the held passes and after the synced one.
+template <class P>
+std::pair<BucketStats, BucketStats> accumulate_then_sync(BoostedModel<P>& m, const torch::Tensor& tokens) {
+  {
+    auto guard = m.booster.no_sync();
+    m.backward(tokens);
+    m.backward(tokens);
+  }
+  const auto quiet = m.plugin->stats();
+  m.backward(tokens);
+  return {quiet, m.plugin->stats()};
+}
+
 std::shared_ptr<DataParallel> buckets_of(int64_t bytes) {
   return std::make_shared<DataParallel>(DataParallelOptions{.bucket_bytes = bytes});
 }
@@ -172,16 +186,8 @@ TEST(DataParallel, NoSyncAccumulatesAndReducesOncePerStep) {
   for (const auto& p : m.model->parameters()) EXPECT_EQ(p.device(), runtime().device()) << "boost() moves the model";
   const int64_t buckets = m.plugin->stats().buckets;
   EXPECT_GT(buckets, 3);
-  auto tokens = batch_tokens(0, kBatch, kSeq, c.vocab);
-  {
-    auto guard = m.booster.no_sync();
-    m.backward(tokens);
-    m.backward(tokens);
-  }
-  const auto quiet = m.plugin->stats();
+  const auto [quiet, synced] = accumulate_then_sync(m, batch_tokens(0, kBatch, kSeq, c.vocab));
   EXPECT_EQ(quiet.reductions_during_backward + quiet.reductions_at_end, 0);
-  m.backward(tokens);
-  const auto synced = m.plugin->stats();
   EXPECT_EQ(synced.reductions_during_backward + synced.reductions_at_end, dp.size() > 1 ? buckets : 0);
 }
 
@@ -331,16 +337,8 @@ TEST(LowLevelZero, NoSyncAccumulatesAndEveryReductionOverlapsBackward) {
     BoostedModel m(c, zero_stage(stage));
     const int64_t buckets = m.plugin->stats().buckets;
     EXPECT_GT(buckets, 3);
-    auto tokens = local_share(0, c.vocab);
-    {
-      auto guard = m.booster.no_sync();
-      m.backward(tokens);
-      m.backward(tokens);
-    }
-    const auto quiet = m.plugin->stats();
+    const auto [quiet, synced] = accumulate_then_sync(m, local_share(0, c.vocab));
     EXPECT_EQ(quiet.reductions_during_backward + quiet.reductions_at_end, 0);
-    m.backward(tokens);
-    const auto synced = m.plugin->stats();
     // One reduction per bucket, each started inside backward as soon as its gradients landed.
     EXPECT_EQ(synced.reductions_during_backward, dp > 1 ? buckets : 0);
     EXPECT_EQ(synced.reductions_at_end, 0);

@@ -90,7 +90,7 @@ class LayerListImpl : public LayerListBase {
     ZTRAIN_CHECK(blocks_.empty(), "LayerList: shard() was called already; a layer can be wrapped once");
     std::vector<Block<M>> blocks;
     for (auto& layer : layers_) blocks.emplace_back(std::make_shared<BlockImpl<M>>(layer, options, grouping));
-    linked_ = std::make_shared<BlockListImpl<M>>(blocks);  // prefetch neighbours in list order
+    BlockListImpl<M> linked(blocks);  // sets each Block's prefetch neighbours, in list order
     for (size_t i = 0; i < blocks.size(); ++i) replace_module(std::to_string(i), blocks[i].ptr());
     blocks_ = std::move(blocks);
   }
@@ -104,7 +104,6 @@ class LayerListImpl : public LayerListBase {
   std::vector<M> layers_;
   std::vector<Layer> handles_;
   std::vector<Block<M>> blocks_;
-  std::shared_ptr<BlockListImpl<M>> linked_;
 };
 
 /// The module holder of LayerListImpl<M>, like TORCH_MODULE: `ztrain::LayerList<Layer> layers;`
