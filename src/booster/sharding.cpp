@@ -76,7 +76,9 @@ std::shared_ptr<GradientBuckets> shard_buckets(ParallelContext& context, const s
       reduce(context.dp());
       return Work();
     }
-    return context.reduce_stream().submit(std::move(reduce), stage2 ? "gradient reduce_scatter" : "gradient all_reduce");
+    const auto device = flat.device();
+    return context.reduce_stream().submit(std::move(reduce), stage2 ? "gradient reduce_scatter" : "gradient all_reduce",
+                                          device);
   };
   auto buckets = std::make_shared<GradientBuckets>(
       std::move(plans), stage2 ? GradientBuckets::Keep::kNothing : GradientBuckets::Keep::kBuffers, std::move(start));

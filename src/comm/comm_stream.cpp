@@ -1,5 +1,6 @@
 #include <ztrain/comm/comm_stream.h>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/StringUtil.h>
 
 #include <sstream>
@@ -14,6 +15,7 @@ struct WorkState {
   std::condition_variable cv;
   bool done = false;
   std::exception_ptr error;
+  std::optional<c10::Event> done_on_device;  // a device operation's last work, written before done
 
   void finish(std::exception_ptr e) {
     {
@@ -51,6 +53,9 @@ void Work::wait(std::optional<std::chrono::milliseconds> timeout) const {
     throw CommError(s.str(), -1, state_->what, -1);
   }
   if (state_->error) std::rethrow_exception(state_->error);
+  if (const auto& event = state_->done_on_device) {
+    event->block(c10::impl::VirtualGuardImpl(event->device_type()).getStream(event->device()));
+  }
 }
 
 // ---- CommStream ------------------------------------------------------------------------------
@@ -67,7 +72,17 @@ CommStream::~CommStream() {
   if (worker_.joinable()) worker_.join();
 }
 
-Work CommStream::submit(std::function<void(Communicator&)> fn, const std::string& what) {
+CommStream::Task::Task(std::function<void(Communicator&)> f, std::shared_ptr<detail::WorkState> s,
+                       std::optional<c10::Device> device)
+    : fn(std::move(f)), state(std::move(s)) {
+  if (!device || device->is_cpu()) return;
+  // The operation's inputs are written on the submitter's current stream up to this point.
+  ready.emplace(device->type());
+  ready->record(c10::impl::VirtualGuardImpl(device->type()).getStream(*device));
+}
+
+Work CommStream::submit(std::function<void(Communicator&)> fn, const std::string& what,
+                        std::optional<c10::Device> device) {
   auto state = std::make_shared<detail::WorkState>();
   state->what = c10::str(what, " on stream '", comm_->name(), "'");
   state->timeout = comm_->timeout();
@@ -75,7 +90,7 @@ Work CommStream::submit(std::function<void(Communicator&)> fn, const std::string
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ZTRAIN_CHECK(!stopping_, "CommStream '", comm_->name(), "' is shutting down");
-    queue_.push_back({std::move(fn), std::move(state)});
+    queue_.emplace_back(std::move(fn), std::move(state), device);
     ++outstanding_;
     last_ = work;
   }
@@ -97,7 +112,7 @@ void CommStream::run() {
       task.state->finish(failure_);
     } else {
       try {
-        task.fn(*comm_);
+        run_ordered(task);
         task.state->finish(nullptr);
       } catch (...) {
         failure_ = std::current_exception();
@@ -113,28 +128,50 @@ void CommStream::run() {
   }
 }
 
+void CommStream::run_ordered(Task& task) {
+  if (!task.ready) {
+    task.fn(*comm_);
+    return;
+  }
+  // On the worker's current stream of the device: it waits for the submitter's, and whoever
+  // waits on the Work waits for what the operation queued there.
+  const c10::Device device = task.ready->device();
+  const c10::Stream stream = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+  task.ready->block(stream);
+  task.fn(*comm_);
+  task.state->done_on_device.emplace(device.type());
+  task.state->done_on_device->record(stream);
+}
+
 Work CommStream::all_reduce(torch::Tensor tensor, ReduceOp op) {
-  return submit([tensor, op](Communicator& c) { c.all_reduce(tensor, op); }, "all_reduce");
+  const auto device = tensor.device();
+  return submit([tensor, op](Communicator& c) { c.all_reduce(tensor, op); }, "all_reduce", device);
 }
 
 Work CommStream::all_gather(torch::Tensor input, torch::Tensor output) {
-  return submit([input, output](Communicator& c) { c.all_gather(input, output); }, "all_gather");
+  const auto device = output.device();
+  return submit([input, output](Communicator& c) { c.all_gather(input, output); }, "all_gather", device);
 }
 
 Work CommStream::reduce_scatter(torch::Tensor input, torch::Tensor output, ReduceOp op) {
-  return submit([input, output, op](Communicator& c) { c.reduce_scatter(input, output, op); }, "reduce_scatter");
+  const auto device = input.device();
+  return submit([input, output, op](Communicator& c) { c.reduce_scatter(input, output, op); }, "reduce_scatter",
+                device);
 }
 
 Work CommStream::broadcast(torch::Tensor tensor, int root) {
-  return submit([tensor, root](Communicator& c) { c.broadcast(tensor, root); }, "broadcast");
+  const auto device = tensor.device();
+  return submit([tensor, root](Communicator& c) { c.broadcast(tensor, root); }, "broadcast", device);
 }
 
 Work CommStream::send(torch::Tensor tensor, int dst, int tag) {
-  return submit([tensor, dst, tag](Communicator& c) { c.send(tensor, dst, tag); }, "send");
+  const auto device = tensor.device();
+  return submit([tensor, dst, tag](Communicator& c) { c.send(tensor, dst, tag); }, "send", device);
 }
 
 Work CommStream::recv(torch::Tensor tensor, int src, int tag) {
-  return submit([tensor, src, tag](Communicator& c) { c.recv(tensor, src, tag); }, "recv");
+  const auto device = tensor.device();
+  return submit([tensor, src, tag](Communicator& c) { c.recv(tensor, src, tag); }, "recv", device);
 }
 
 Work CommStream::barrier() {

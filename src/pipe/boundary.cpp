@@ -2,6 +2,8 @@
 
 #include <ztrain/error.h>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <algorithm>
 #include <iterator>
 #include <string>
@@ -88,6 +90,10 @@ Message PendingMessage::wait() {
     for (const auto& t : s.message.tensors) s.metas.push_back(meta_of(t));
   } else {
     s.work.wait();
+    // Allocated on the worker's current stream; used, and freed, on this thread's.
+    for (auto& t : s.message.tensors) {
+      if (t.defined() && !t.is_cpu()) t.record_stream(c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device()));
+    }
   }
   ZTRAIN_CHECK(s.message.id == s.expected_id, "pipeline boundary: expected the ", direction(s.forward),
                " message with id ", s.expected_id, " from pipeline rank ", s.peer, " but received id ", s.message.id,
@@ -155,7 +161,7 @@ Work Boundary::send(CommStream* stream, int dst, const std::vector<torch::Tensor
         c.send(header_tensor, dst, kTagHeader);
         for (const auto& t : payload) c.send(t, dst, kTagPayload);
       },
-      c10::str("pipeline send ", direction(forward), " to rank ", dst));
+      c10::str("pipeline send ", direction(forward), " to rank ", dst), device_);
   // Forget the sends that finished; keep the rest for synchronize().
   std::erase_if(in_flight_, [](const Work& w) { return w.is_completed() && !w.error(); });
   in_flight_.push_back(work);
@@ -192,7 +198,7 @@ PendingMessage Boundary::recv(CommStream* stream, int src, int64_t expected_id, 
           s->message.tensors.push_back(std::move(t));
         }
       },
-      c10::str("pipeline receive ", direction(forward), " from rank ", src));
+      c10::str("pipeline receive ", direction(forward), " from rank ", src), device_);
   return PendingMessage(state);
 }
 

@@ -555,7 +555,7 @@ void ShardedModule::reduce_gradient(size_t g, torch::Tensor flat_grad) {
           grad = result;
         }
       },
-      all_reduce ? "gradient all_reduce" : "gradient reduce_scatter");
+      all_reduce ? "gradient all_reduce" : "gradient reduce_scatter", flat_grad.device());
   // Backward returns only once every reduction has landed in its shard's .grad.
   torch::autograd::Engine::get_default_engine().queue_callback(
       [context = context_] { context->reduce_stream().synchronize(); });

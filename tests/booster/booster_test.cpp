@@ -430,10 +430,17 @@ TEST(LowLevelZero, OffloadedAdamUpdatesTheShardsAsAdamW) {
     EXPECT_LE(state * dp.size(), total + slack);
     finals.push_back(values(*model));
   }
-  // Bit for bit on the CPU; on a GPU AdamW is libtorch's fused kernel, AdamOffload the host's.
-  const double tol = runtime().device().is_cuda() ? 1e-5 : 0;
+  // Bit for bit on the CPU. On a GPU AdamW is libtorch's fused kernel and AdamOffload the host's,
+  // whose last bits differ; Adam scales a gradient that is zero up to rounding (the attention
+  // key's bias: softmax ignores a constant added to every score) into steps of up to lr, so the
+  // measure there is relative to each tensor's norm.
   for (size_t i = 0; i < finals[0].size(); ++i) {
-    EXPECT_TRUE(tensors_equal(finals[0][i], finals[1][i], tol, tol)) << "parameter " << i;
+    if (!runtime().device().is_cuda()) {
+      EXPECT_TRUE(tensors_equal(finals[0][i], finals[1][i], 0, 0)) << "parameter " << i;
+      continue;
+    }
+    const auto diff = (finals[0][i].to(torch::kFloat64) - finals[1][i].to(torch::kFloat64)).norm().item<double>();
+    EXPECT_LE(diff, 1e-3 * finals[0][i].to(torch::kFloat64).norm().item<double>()) << "parameter " << i;
   }
 }
 

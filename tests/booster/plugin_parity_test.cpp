@@ -132,9 +132,12 @@ Run train(const Family& family, std::shared_ptr<Plugin> plugin) {
 }
 
 void expect_same(const Run& got, const Run& want) {
+  // On a GPU the reference's matrix products run at other shapes than the ranks' (the whole
+  // batch in one process), for which cuBLAS picks other algorithms and summation orders.
+  const double tol = runtime().device().is_cuda() ? 1e-4 : 1e-5;
   ASSERT_EQ(got.losses.size(), want.losses.size());
   for (size_t i = 0; i < got.losses.size(); ++i) {
-    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-5 * std::abs(want.losses[i])) << "step " << i;
+    EXPECT_NEAR(got.losses[i], want.losses[i], tol * std::abs(want.losses[i])) << "step " << i;
   }
   ASSERT_EQ(got.params.size(), want.params.size());
   for (const auto& [name, value] : want.params) {
@@ -142,7 +145,7 @@ void expect_same(const Run& got, const Run& want) {
     // Relative to the tensor's norm: Adam turns the last bits of a near-zero gradient element
     // into differences that element-wise bounds would count against its tiny value.
     const auto diff = (got.params.at(name).to(torch::kFloat64) - value.to(torch::kFloat64)).norm().item<double>();
-    EXPECT_LE(diff, 1e-5 * value.to(torch::kFloat64).norm().item<double>()) << name;
+    EXPECT_LE(diff, tol * value.to(torch::kFloat64).norm().item<double>()) << name;
   }
 }
 

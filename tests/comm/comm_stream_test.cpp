@@ -2,6 +2,9 @@
 
 #include <ztrain/comm/comm_stream.h>
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <atomic>
 #include <thread>
 
@@ -60,6 +63,42 @@ TEST(CommStream, OverlapsWithTheCallerAndCompletesAsynchronously) {
   release = true;
   w.wait();
   EXPECT_TRUE(w.is_completed());
+}
+
+TEST(CommStream, DeviceOperationsFollowTheSubmittersStream) {
+  // The input is written on a side stream behind a queue of work; the operation, run by the
+  // worker thread, must see it written, and its result must be complete on the device (read here
+  // from another stream) once waited on.
+  const auto device = ztrain::runtime().device();
+  if (device.is_cpu()) GTEST_SKIP() << "orders device streams";
+  const int n = world().size();
+  c10::impl::VirtualGuardImpl impl(device.type());
+  CommStream stream(world(), "ordered");
+  for (auto op : {"all_reduce", "all_gather", "reduce_scatter"}) {
+    auto t = torch::zeros({n << 16}, torch::TensorOptions().device(device));
+    auto out = torch::zeros({op == std::string("all_gather") ? n * t.numel() : t.numel() / n}, t.options());
+    impl.getStream(device).synchronize();
+    {
+      c10::StreamGuard on(impl.getStreamFromGlobalPool(device));
+      auto busy = torch::rand({2048, 2048}, t.options());
+      for (int i = 0; i < 40; ++i) busy = torch::tanh(busy.mm(busy));
+      t.fill_(world().rank() + 1);
+      ztrain::Work w = op == std::string("all_reduce")    ? stream.all_reduce(t)
+                       : op == std::string("all_gather") ? stream.all_gather(t, out)
+                                                          : stream.reduce_scatter(t, out);
+      busy = torch::tanh(busy.mm(busy));  // queued after the submission
+      w.wait();
+    }
+    const float sum = n * (n + 1) / 2.0f;
+    if (op == std::string("all_reduce")) {
+      EXPECT_TRUE(t.cpu().eq(sum).all().item<bool>()) << op << ": " << t.cpu()[0].item<float>();
+    } else if (op == std::string("reduce_scatter")) {
+      EXPECT_TRUE(out.cpu().eq(sum).all().item<bool>()) << op << ": " << out.cpu()[0].item<float>();
+    } else {
+      auto expected = torch::arange(1, n + 1, torch::kFloat).repeat_interleave(t.numel());
+      EXPECT_TRUE(out.cpu().equal(expected)) << op;
+    }
+  }
 }
 
 TEST(CommStream, ErrorsAreRethrownAtWaitAndPoisonLaterOperations) {

@@ -8,6 +8,12 @@
 /// operation names are kept alive until it completes; the caller must not touch them until its
 /// Work is waited on.
 ///
+/// Device operations are ordered with the streams of the threads involved: the worker's current
+/// stream of the device waits, through an event recorded at submission, for what the
+/// submitter's current stream held then, and `wait()` makes the waiting thread's current stream
+/// wait for what the operation queued. Code that keeps to each thread's default stream sees one
+/// stream order, as if it had run the operation itself.
+///
 /// Construction duplicates the communicator and is therefore collective: all members create
 /// their streams in the same order. Submitting is thread-safe. After an operation fails, the
 /// stream fails every later operation at once with the first error (its communicator's state
@@ -21,10 +27,13 @@
 #include <ztrain/comm/communicator.h>
 #include <ztrain/comm/work.h>
 
+#include <c10/core/Event.h>
+
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 namespace ztrain {
@@ -37,8 +46,11 @@ class CommStream {
   CommStream(const CommStream&) = delete;
   CommStream& operator=(const CommStream&) = delete;
 
-  /// Runs `fn` on the worker with the stream's communicator; `what` names it in errors.
-  Work submit(std::function<void(Communicator&)> fn, const std::string& what = "operation");
+  /// Runs `fn` on the worker with the stream's communicator; `what` names it in errors. Given a
+  /// device that is not the CPU, `fn` runs ordered after what the caller's current stream of that
+  /// device holds now (see above).
+  Work submit(std::function<void(Communicator&)> fn, const std::string& what = "operation",
+              std::optional<c10::Device> device = std::nullopt);
 
   Work all_reduce(torch::Tensor tensor, ReduceOp op = ReduceOp::kSum);
   Work all_gather(torch::Tensor input, torch::Tensor output);
@@ -60,10 +72,15 @@ class CommStream {
 
  private:
   struct Task {
+    Task() = default;
+    Task(std::function<void(Communicator&)> fn, std::shared_ptr<detail::WorkState> state,
+         std::optional<c10::Device> device);
     std::function<void(Communicator&)> fn;
     std::shared_ptr<detail::WorkState> state;
+    std::optional<c10::Event> ready;  // on the submitter's stream at submission, for device operations
   };
   void run();
+  void run_ordered(Task& task);  // runs fn, ordered with the device streams
 
   std::unique_ptr<Communicator> comm_;
   std::mutex mutex_;

@@ -32,7 +32,8 @@ class Work {
   /// True once the operation ran to completion or failed. Never blocks.
   bool is_completed() const;
   /// Blocks until completion; rethrows the operation's error. Not given: the timeout of the
-  /// stream's communicator.
+  /// stream's communicator. For a device operation, the calling thread's current stream of the
+  /// device then waits for what the operation queued on the device.
   void wait(std::optional<std::chrono::milliseconds> timeout = std::nullopt) const;
   /// The operation's error, if it failed (null otherwise or while running).
   std::exception_ptr error() const;
