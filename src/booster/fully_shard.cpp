@@ -7,9 +7,25 @@
 #include <ztrain/runtime/init.h>
 #include <ztrain/zero/layer_list.h>
 
+#include <algorithm>
 #include <map>
 
 namespace ztrain {
+
+namespace detail {
+
+/// The order in which a model's Blocks start their forwards (first calls), recorded until it is
+/// fixed after the first step.
+struct ExecutionOrder {
+  std::vector<ShardedModule*> calls;
+  bool fixed = false;
+
+  void called(ShardedModule& block) {
+    if (!fixed && std::find(calls.begin(), calls.end(), &block) == calls.end()) calls.push_back(&block);
+  }
+};
+
+}  // namespace detail
 
 namespace {
 
@@ -65,9 +81,13 @@ void FullyShard::boost(torch::nn::Module& model, torch::optim::Optimizer& optimi
   const auto unit = detail::optimizer_units(optimizer);
   const BlockOptions block{.zero_level = 3, .use_checkpoint = options_.use_checkpoint,
                            .prefetch_depth = options_.prefetch_depth};
+  order_ = std::make_shared<detail::ExecutionOrder>();
   for (auto& list : lists) {
     list.second->shard(block, ShardGrouping{.unit = unit});
-    for (auto* b : list.second->blocks()) blocks_.push_back(b);
+    for (auto* b : list.second->blocks()) {
+      b->set_forward_observer([order = order_](ShardedModule& m) { order->called(m); });
+      blocks_.push_back(b);
+    }
   }
   for (const auto& path : owners) {
     const auto dot = path.rfind('.');
@@ -100,9 +120,43 @@ void FullyShard::after_zero_grad() {
   if (buckets_) buckets_->zero();
 }
 
-void FullyShard::after_update() { detail::refresh(roots()); }
+void FullyShard::after_update() {
+  if (!order_->fixed && !order_->calls.empty()) link_in_execution_order();
+  // A layer prefetched where its forward did not follow (a layer run out of the order linked
+  // then) holds, or is gathering, values from before the step.
+  for (auto* block : blocks_) block->shards_changed();
+  detail::refresh(roots());
+}
+
+void FullyShard::link_in_execution_order() {
+  // Prefetches are collective: every dp rank must link the layers alike.
+  order_->fixed = true;
+  const auto& order = order_->calls;
+  std::string signature;
+  for (auto* block : order) {
+    signature += std::to_string(std::find(blocks_.begin(), blocks_.end(), block) - blocks_.begin()) + ' ';
+  }
+  const auto all = default_context().dp().all_gather_bytes(signature);
+  for (size_t r = 1; r < all.size(); ++r) {
+    ZTRAIN_CHECK(all[r] == all[0], "FullyShard: dp ranks 0 and ", r, " called the model's layers in different orders "
+                 "in the first step (layer indices ", all[0], "against ", all[r], "); every rank must call the same "
+                 "layers in the same order");
+  }
+  // A layer the step did not call keeps its list neighbours.
+  for (size_t i = 0; i < order.size(); ++i) {
+    std::vector<ShardedModule*> ahead, behind;
+    for (size_t k = 1; k <= static_cast<size_t>(options_.prefetch_depth); ++k) {
+      if (i + k < order.size()) ahead.push_back(order[i + k]);
+      if (i >= k) behind.push_back(order[i - k]);
+    }
+    order[i]->set_prefetch_neighbours(std::move(ahead), std::move(behind));
+  }
+}
+
+std::vector<ShardedModule*> FullyShard::execution_order() const {
+  return order_ && order_->fixed ? order_->calls : std::vector<ShardedModule*>{};
+}
 
 BucketStats FullyShard::stats() const { return buckets_ ? buckets_->stats() : BucketStats{}; }
-
 
 }  // namespace ztrain

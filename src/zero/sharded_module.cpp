@@ -17,6 +17,7 @@
 #include <mutex>
 #include <sstream>
 #include <unordered_set>
+#include <utility>
 
 // How it works
 //
@@ -273,6 +274,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     record.update = std::make_shared<UpdateFence>();
     fences_.push_back(record.update);
     gathered_versions_.push_back(group.shard._version());
+    gathering_versions_.push_back(-1);
     groups_.push_back(std::move(group));
   }
   order_ = std::move(order);
@@ -315,10 +317,12 @@ void ShardedModule::start_gather() {
   const int rank = context_->dp().rank();
   for (size_t g = 0; g < groups_.size(); ++g) {
     auto& group = groups_[g];
+    gathering_versions_[g] = group.shard._version();
     if (fence(g).pending()) {
       // An asynchronous optimizer is still writing the shard: wait on the gather stream, so
       // the forward thread goes on until it needs these parameters.
       stream.submit([fence = fences_[g]](Communicator&) { fence->wait(); }, "wait for the optimizer");
+      gathering_versions_[g] = -1;  // the version it leaves, known once the gather is waited on
     }
     if (!policy_->shards_parameters) {
       const auto [begin, end] = group.layout.shard_range(rank);
@@ -334,11 +338,27 @@ void ShardedModule::finish_gather() {
   auto works = std::move(gathering_);
   gathering_.clear();
   for (auto& w : works) w.wait();
-  // Recorded now, not when the gather started: an asynchronous optimizer may still have been
-  // writing the shard then (the gather stream waited for it), and every rank must see the same.
-  for (size_t g = 0; g < groups_.size(); ++g) gathered_versions_[g] = groups_[g].shard._version();
+  // The version the gather started from; where an asynchronous optimizer was still writing the
+  // shard then (the gather stream waited for it), the version it left.
+  bool written_since = std::exchange(changed_while_gathering_, false);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const int64_t now = groups_[g].shard._version();
+    gathered_versions_[g] = gathering_versions_[g] < 0 ? now : gathering_versions_[g];
+    written_since = written_since || gathered_versions_[g] != now;
+  }
   gathered_ = true;
   stale_ = false;
+  // A shard written after its gather began (an optimizer step after a prefetch that its
+  // forward did not use): gather the new values. Every rank sees the same writes.
+  if (written_since) {
+    start_gather();
+    finish_gather();
+  }
+}
+
+void ShardedModule::shards_changed() {
+  stale_ = true;
+  changed_while_gathering_ = changed_while_gathering_ || !gathering_.empty();
 }
 
 void ShardedModule::prefetch() {
@@ -362,7 +382,10 @@ void ShardedModule::release() {
 void ShardedModule::before(const std::vector<ShardedModule*>& neighbours) {
   const bool need = !is_gathered() || !gathering_.empty();
   if (!need) wait_for_updates();  // a kept full buffer is computed from directly
-  if (need && gathering_.empty()) start_gather();
+  if (need && gathering_.empty()) {
+    ++gathers_on_demand_;
+    start_gather();
+  }
   for (auto* n : neighbours) n->prefetch();
   if (need) finish_gather();
 }
@@ -398,6 +421,7 @@ std::vector<torch::Tensor> ShardedModule::run(const Fn& fn, const std::vector<to
   for (const auto& g : groups_) any_trainable = any_trainable || g.requires_grad;
   const bool record = torch::GradMode::is_enabled() && (any_trainable || any_input_grad);
 
+  if (forward_observer_) forward_observer_(*this);
   before(forward_neighbours_);
   if (!record) {
     auto outputs = fn(inputs);

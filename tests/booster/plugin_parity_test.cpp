@@ -259,5 +259,65 @@ TEST(PluginParity, FullyShardRefusesModelsItCannotShard) {
   }
 }
 
+/// Four layers in a LayerList, called in list order or in its reverse.
+struct StackImpl : torch::nn::Module {
+  explicit StackImpl(bool reversed) : reversed(reversed) {
+    torch::manual_seed(5);
+    embed = register_module("embed", torch::nn::Linear(8, 8));
+    for (int i = 0; i < 4; ++i) layers->push_back(torch::nn::Linear(8, 8));
+    register_module("layers", layers);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = embed(x);
+    for (size_t k = 0; k < layers->size(); ++k) x = torch::tanh((*layers)[reversed ? layers->size() - 1 - k : k](x));
+    return x;
+  }
+  bool reversed;
+  torch::nn::Linear embed{nullptr};
+  LayerList<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Stack);
+
+TEST(PluginParity, FullyShardPrefetchesInTheOrderTheLayersRan) {
+  // In its first step FullyShard prefetches in list order; from then on in the order that
+  // step called the layers. Counted: the gathers a layer waited for from their start. With
+  // the order known only the first layer of forward and of backward waits (each step's first
+  // gather has nothing before it to start it). In list order a reversed stack waits at every
+  // layer of its forward and at the first of its backward (whose others its forward's misplaced
+  // prefetches had gathered): 5. The layers prefetched but not run before the step are
+  // gathered again after it, so the losses are the plain model's throughout.
+  std::map<bool, std::vector<int64_t>> waits;
+  for (bool reversed : {false, true}) {
+    SCOPED_TRACE(reversed ? "reversed" : "in order");
+    Stack plain(reversed), model(reversed);
+    torch::optim::SGD plain_opt(plain->parameters(), 0.1), opt(model->parameters(), 0.1);
+    auto fully = std::make_shared<FullyShard>();
+    Booster booster(fully);
+    booster.boost(*model, opt);
+    int64_t before = 0;
+    for (int step = 0; step < 3; ++step) {
+      const auto x = torch::randn({4, 8}, torch::Generator(at::detail::createCPUGenerator(step)));
+      plain_opt.zero_grad();
+      const auto want = plain(x).pow(2).mean();
+      want.backward();
+      plain_opt.step();
+      booster.zero_grad();
+      const auto loss = model(x.to(runtime().device())).pow(2).mean();
+      booster.backward(loss);
+      ASSERT_TRUE(booster.step());
+      EXPECT_NEAR(loss.item<double>(), want.item<double>(), 1e-6) << "step " << step;
+      int64_t now = 0;
+      for (auto* block : fully->blocks()) now += block->gathers_on_demand();
+      waits[reversed].push_back(now - before);
+      before = now;
+    }
+    auto expected = fully->blocks();
+    if (reversed) std::reverse(expected.begin(), expected.end());
+    EXPECT_EQ(fully->execution_order(), expected);
+  }
+  EXPECT_EQ(waits[false], (std::vector<int64_t>{2, 2, 2}));
+  EXPECT_EQ(waits[true], (std::vector<int64_t>{5, 2, 2}));
+}
+
 }  // namespace
 }  // namespace ztrain::test

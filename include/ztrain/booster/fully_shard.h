@@ -4,8 +4,7 @@
 ///
 /// boost() wraps every layer of every LayerList in a Block at ZeRO level 3 (LayerList::shard):
 /// the layer's parameters, gradients and optimizer state live sharded over the data-parallel
-/// group; its forward gathers them (the next layer's gather already under way, in list order),
-/// frees them after, gathers them again for backward and reduce-scatters the gradient on the
+/// group; its forward gathers them (the next layer's gather already under way), frees them after, gathers them again for backward and reduce-scatters the gradient on the
 /// reduction stream. With `use_checkpoint` a layer keeps only its inputs and recomputes in
 /// backward. The parameters outside the lists — embeddings, final norms, heads — are sharded as
 /// LowLevelZero's stage 2 shards them: each module that owns such parameters is replaced in its
@@ -35,7 +34,8 @@ namespace ztrain {
 struct FullyShardOptions {
   /// Recompute each layer's forward in backward instead of keeping its activations.
   bool use_checkpoint = false;
-  /// Layers gathered ahead: in forward the following ones, in backward the preceding ones.
+  /// Layers gathered ahead: in forward the following ones, in backward the preceding ones (in
+  /// the recorded execution order once a step has run).
   int prefetch_depth = 1;
   /// The most bytes one bucket of the parameters outside the layer lists holds.
   int64_t bucket_bytes = int64_t{25} << 20;
@@ -44,6 +44,7 @@ struct FullyShardOptions {
 namespace detail {
 class GradientBuckets;
 class ZeroShards;
+struct ExecutionOrder;
 }  // namespace detail
 
 class FullyShard : public Plugin {
@@ -59,18 +60,23 @@ class FullyShard : public Plugin {
 
   /// The Blocks of the layer lists, in model order.
   const std::vector<ShardedModule*>& blocks() const { return blocks_; }
+  /// The Blocks in the order the first step's forward called them (first calls), once a step
+  /// has run; empty before.
+  std::vector<ShardedModule*> execution_order() const;
   /// The buckets of the parameters outside the layer lists.
   BucketStats stats() const;
   const FullyShardOptions& options() const { return options_; }
 
  private:
   std::vector<ShardedModule*> roots() const;
+  void link_in_execution_order();
 
   FullyShardOptions options_;
   bool boosted_ = false;
   std::vector<ShardedModule*> blocks_;
   std::vector<std::shared_ptr<detail::ZeroShards>> roots_;
   std::shared_ptr<detail::GradientBuckets> buckets_;
+  std::shared_ptr<detail::ExecutionOrder> order_;  // shared with the Blocks' forward observers
 };
 
 }  // namespace ztrain

@@ -127,9 +127,10 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   void release();
   /// Whether the full buffers are allocated and hold the current values.
   bool is_gathered() const;
-  /// Level 1: the shards were written where the module cannot see it (an optimizer stepping
-  /// outside a backward through the module); the next gather() refreshes the full buffers.
-  void shards_changed() { stale_ = true; }
+  /// The shards were written where the module cannot see it (an optimizer stepping outside a
+  /// backward through the module); the next gather() refreshes the full buffers, and a gather
+  /// in flight (a prefetch) is made again once it has landed.
+  void shards_changed();
   /// Waits until no asynchronous optimizer is writing this module's shards; rethrows its error.
   void wait_for_updates() const;
 
@@ -150,6 +151,12 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
 
   /// Modules to prefetch at the start of this one's forward and backward (set by BlockList).
   void set_prefetch_neighbours(std::vector<ShardedModule*> forward, std::vector<ShardedModule*> backward);
+  /// Called at the start of every forward through this module (not a recomputation in
+  /// backward), before its parameters are gathered: how FullyShard records execution order.
+  void set_forward_observer(std::function<void(ShardedModule&)> observer) { forward_observer_ = std::move(observer); }
+  /// How many forwards and backwards found this module's parameters neither gathered nor being
+  /// gathered, and so waited for a whole gather: the prefetches that did not come.
+  int64_t gathers_on_demand() const { return gathers_on_demand_; }
 
   void train(bool on = true) override;
 
@@ -197,9 +204,13 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   std::vector<std::pair<size_t, size_t>> order_;
   std::vector<Work> gathering_;     // in-flight gathers, one per group
   bool gathered_ = false;           // full buffers allocated and filled
-  bool stale_ = false;              // gradients were reduced since the last gather
+  bool stale_ = false;              // the shards changed since the last gather
+  bool changed_while_gathering_ = false;
   std::vector<int64_t> gathered_versions_;  // shard versions the full buffers were gathered from
+  std::vector<int64_t> gathering_versions_;  // and those of the gathers in flight (-1: known at the end)
   std::vector<ShardedModule*> forward_neighbours_, backward_neighbours_;
+  std::function<void(ShardedModule&)> forward_observer_;
+  int64_t gathers_on_demand_ = 0;
   std::weak_ptr<detail::ShardedCall> last_call_;
   bool gradient_sync_ = true;
   std::vector<torch::Tensor> held_grads_;  // per group: unreduced gradients summed while sync is off
