@@ -92,7 +92,8 @@ Message PendingMessage::wait() {
     s.work.wait();
     // Allocated on the worker's current stream; used, and freed, on this thread's.
     for (auto& t : s.message.tensors) {
-      if (t.defined() && !t.is_cpu()) t.record_stream(c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device()));
+      if (!t.defined() || t.is_cpu()) continue;
+      t.record_stream(c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device()));
     }
   }
   ZTRAIN_CHECK(s.message.id == s.expected_id, "pipeline boundary: expected the ", direction(s.forward),

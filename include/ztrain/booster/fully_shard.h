@@ -4,9 +4,13 @@
 ///
 /// boost() wraps every layer of every LayerList in a Block at ZeRO level 3 (LayerList::shard):
 /// the layer's parameters, gradients and optimizer state live sharded over the data-parallel
-/// group; its forward gathers them (the next layer's gather already under way), frees them after, gathers them again for backward and reduce-scatters the gradient on the
-/// reduction stream. With `use_checkpoint` a layer keeps only its inputs and recomputes in
-/// backward. The parameters outside the lists — embeddings, final norms, heads — are sharded as
+/// group; its forward gathers them (the next layer's gather already under way), frees them
+/// after, gathers them again for backward and reduce-scatters the gradient on the reduction
+/// stream. Which layer is next is list order until the first step has run, then the order in
+/// which that step's forward called the layers (FSDP's recorded execution order): a model that
+/// calls its layers in another order, or skips some, has the right ones prefetched from then
+/// on. With `use_checkpoint` a layer keeps only its inputs and recomputes in backward. The
+/// parameters outside the lists — embeddings, final norms, heads — are sharded as
 /// LowLevelZero's stage 2 shards them: each module that owns such parameters is replaced in its
 /// parent by a sharded module over it (same names), whose parameters stay whole for the model's
 /// own forward while their gradients (reduce-scattered in buckets during backward) and optimizer

@@ -17,9 +17,9 @@
 /// Alone, or under DataParallel and LowLevelZero, it is a list of plain layers called in order;
 /// the children are named 0, 1, … as ModuleList names them, so files and names are the same.
 /// shard() (FullyShard calls it) wraps every layer in a Block — ZeRO level 3 over the dp group,
-/// the next layers prefetched in list order — registered in the layer's place under the same
-/// name; from then on every call goes through the Blocks, and `layer.module()` is still the
-/// user's layer. A layer's forward must be one a Block can wrap: tensors and other arguments
+/// the next layers prefetched in list order (FullyShard relinks them in the order its first
+/// step ran them) — registered in the layer's place under the same name; from then on every
+/// call goes through the Blocks, and `layer.module()` is still the user's layer. A layer's forward must be one a Block can wrap: tensors and other arguments
 /// in, a tensor, a tuple or pair of tensors, or a vector of tensors out (zero/block.h).
 
 #include <ztrain/error.h>
