@@ -1,10 +1,14 @@
 #pragma once
 // A Llama-style decoder in plain libtorch: RMSNorm, rotary position embeddings, causal
 // self-attention, a SwiGLU feed-forward and an untied output head. The Booster trains it
-// unchanged under every plugin (examples/llama/train.cpp); nothing here knows about ranks. Its
-// one ztrain type is the layer stack, a ztrain::LayerList (a drop-in for torch::nn::ModuleList),
-// which is what lets FullyShard shard the layers one by one.
+// unchanged under every plugin (examples/llama/train.cpp); nothing in the model knows about
+// ranks. Its ztrain types are drop-ins, identical alone: the layer stack is a ztrain::LayerList
+// (for torch::nn::ModuleList), which lets FullyShard shard the layers one by one, and the
+// linears and the embedding are ztrain::nn's (for torch::nn's), which lets HybridParallel split
+// them over tensor-parallel ranks as `policy()` at the end says — the one model-specific part.
 
+#include <ztrain/booster/policy.h>
+#include <ztrain/tp/nn.h>
 #include <ztrain/zero/layer_list.h>
 
 #include <torch/torch.h>
@@ -72,8 +76,8 @@ struct AttentionImpl : torch::nn::Module {
     auto att = torch::softmax(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
     return wo(torch::matmul(att, v).transpose(1, 2).reshape({b, t, -1}));
   }
-  int64_t heads, head_dim;
-  torch::nn::Linear wq, wk, wv, wo;
+  int64_t heads, head_dim;  // heads: on this rank (policy() divides them over tp)
+  ztrain::nn::Linear wq, wk, wv, wo;
 };
 TORCH_MODULE(Attention);
 
@@ -86,7 +90,7 @@ struct FeedForwardImpl : torch::nn::Module {
     register_module("w3", w3);
   }
   torch::Tensor forward(const torch::Tensor& x) { return w2(torch::silu(w1(x)) * w3(x)); }
-  torch::nn::Linear w1, w2, w3;
+  ztrain::nn::Linear w1, w2, w3;
 };
 TORCH_MODULE(FeedForward);
 
@@ -140,12 +144,38 @@ struct LlamaImpl : torch::nn::Module {
     return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), tokens.slice(1, 1).reshape(-1));
   }
   Config config;
-  torch::nn::Embedding tok_embeddings;
+  ztrain::nn::Embedding tok_embeddings;
   ztrain::LayerList<DecoderLayer> layers;
   RMSNorm norm;
-  torch::nn::Linear output;
+  ztrain::nn::Linear output;
   torch::Tensor rope_cos, rope_sin;
 };
 TORCH_MODULE(Llama);
+
+/// How HybridParallel splits the model over tp ranks (Megatron-LM's layout): the vocabulary of
+/// the embedding; q, k, v and the SwiGLU's w1 and w3 by output features (whole heads per
+/// rank), wo and w2 by input features; the head by vocabulary, its logits gathered for the
+/// loss. The norms stay replicated.
+inline ztrain::Policy policy() {
+  using ztrain::nn::TpRole;
+  const ztrain::nn::TpStyle column{.role = TpRole::kColumn}, row{.role = TpRole::kRow};
+  return {.name = "llama",
+          .tensor_parallel = {{"tok_embeddings", {.role = TpRole::kVocab}},
+                              {"layers.*.attention.wq", column},
+                              {"layers.*.attention.wk", column},
+                              {"layers.*.attention.wv", column},
+                              {"layers.*.attention.wo", row},
+                              {"layers.*.feed_forward.w1", column},
+                              {"layers.*.feed_forward.w3", column},
+                              {"layers.*.feed_forward.w2", row},
+                              {"output", {.role = TpRole::kColumn, .gather_output = true}}},
+          .adapt =
+              [](torch::nn::Module& model, int tp) {
+                auto& llama = dynamic_cast<LlamaImpl&>(model);
+                TORCH_CHECK(llama.config.heads % tp == 0, "llama: ", llama.config.heads, " heads do not split over ",
+                            tp, " tensor-parallel ranks");
+                for (auto& layer : *llama.layers) layer.module()->attention->heads = llama.config.heads / tp;
+              }};
+}
 
 }  // namespace llama

@@ -4,8 +4,9 @@
 //   mpirun -np 2 build/examples/llama_train --plugin zero2 --data data/tinyshakespeare.txt
 //
 // --plugin ddp (DataParallel), zero1 or zero2 (LowLevelZero stage 1 or 2), fsdp (FullyShard:
-// ZeRO-3 per decoder layer). The model source is the same for every plugin; only the plugin
-// line below differs.
+// ZeRO-3 per decoder layer), hybrid (HybridParallel: --tp ranks split each layer as
+// llama::policy() says, ZeRO --zero-level over the rest). The model source is the same for
+// every plugin; only the plugin line below differs.
 #include "llama.h"
 
 #include <ztrain/ztrain.h>
@@ -21,11 +22,13 @@ namespace zt = ztrain;
 int main(int argc, char** argv) try {
   CLI::App app("llama_train: a Llama-style decoder trained under a Booster plugin");
   std::string plugin_name = "zero2", data = "data/tinyshakespeare.txt", out;
-  int steps = 100, batch = 8;
-  app.add_option("--plugin", plugin_name, "ddp, zero1, zero2 or fsdp")->capture_default_str();
+  int steps = 100, batch = 8, tp = 2, zero_level = 1;
+  app.add_option("--plugin", plugin_name, "ddp, zero1, zero2, fsdp or hybrid")->capture_default_str();
+  app.add_option("--tp", tp, "hybrid: tensor-parallel ranks per group")->capture_default_str();
+  app.add_option("--zero-level", zero_level, "hybrid: ZeRO level 0-3 over the data-parallel ranks")->capture_default_str();
   app.add_option("--data", data, "a text file (byte tokens)")->capture_default_str();
   app.add_option("--steps", steps, "optimizer steps")->capture_default_str();
-  app.add_option("--batch", batch, "sequences per rank and step")->capture_default_str();
+  app.add_option("--batch", batch, "sequences per data-parallel rank and step")->capture_default_str();
   app.add_option("--save", out, "write the model here at the end (safetensors)");
   CLI11_PARSE(app, argc, argv);
 
@@ -37,8 +40,11 @@ int main(int argc, char** argv) try {
     plugin = std::make_shared<zt::LowLevelZero>(zt::LowLevelZeroOptions{.stage = plugin_name == "zero1" ? 1 : 2});
   } else if (plugin_name == "fsdp") {
     plugin = std::make_shared<zt::FullyShard>();
+  } else if (plugin_name == "hybrid") {
+    plugin = std::make_shared<zt::HybridParallel>(
+        zt::HybridParallelOptions{.tp_size = tp, .zero_level = zero_level, .policy = llama::policy()});
   } else {
-    throw std::invalid_argument("--plugin must be ddp, zero1, zero2 or fsdp, got " + plugin_name);
+    throw std::invalid_argument("--plugin must be ddp, zero1, zero2, fsdp or hybrid, got " + plugin_name);
   }
 
   std::ifstream in(data, std::ios::binary);
@@ -55,7 +61,10 @@ int main(int argc, char** argv) try {
   zt::Booster booster(plugin, {.max_grad_norm = 1.0});
   booster.boost(*model, opt);  // the model moves to the rank's device; replicas start equal
 
-  auto gen = at::detail::createCPUGenerator(1000 + rt.dp().rank());  // each rank its own windows
+  // Each data-parallel rank its own windows (the ranks of a tensor-parallel group the same).
+  auto* hybrid = dynamic_cast<zt::HybridParallel*>(plugin.get());
+  auto& dp = hybrid ? hybrid->context().dp() : rt.dp();
+  auto gen = at::detail::createCPUGenerator(1000 + dp.rank());
   for (int step = 0; step < steps; ++step) {
     auto starts = torch::randint(corpus.numel() - config.context - 1, {batch}, gen, torch::kLong);
     std::vector<torch::Tensor> rows;
@@ -66,7 +75,8 @@ int main(int argc, char** argv) try {
     booster.backward(loss);
     booster.step();
     if (step % 10 == 0 || step + 1 == steps) {
-      zt::print_rank("step ", step, " loss ", zt::sum_loss(loss).item<double>(), " (", plugin->name(), ")");
+      const auto mean = zt::sum_loss(loss, hybrid ? &hybrid->context() : nullptr);
+      zt::print_rank("step ", step, " loss ", mean.item<double>(), " (", plugin->name(), ")");
     }
   }
   if (!out.empty()) booster.save_model(out);

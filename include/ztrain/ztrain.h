@@ -11,7 +11,9 @@
 #include <ztrain/booster/booster.h>
 #include <ztrain/booster/data_parallel.h>
 #include <ztrain/booster/fully_shard.h>
+#include <ztrain/booster/hybrid_parallel.h>
 #include <ztrain/booster/low_level_zero.h>
+#include <ztrain/booster/policy.h>
 #include <ztrain/ckpt/checkpoint.h>
 #include <ztrain/ckpt/model_file.h>
 #include <ztrain/ckpt/optimizer_state.h>
@@ -32,6 +34,7 @@
 #include <ztrain/runtime/runtime.h>
 #include <ztrain/runtime/tp_rng.h>
 #include <ztrain/tp/layers.h>
+#include <ztrain/tp/nn.h>
 #include <ztrain/tp/split.h>
 #include <ztrain/version.h>
 #include <ztrain/zero/block.h>

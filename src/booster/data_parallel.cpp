@@ -15,7 +15,7 @@ DataParallel::~DataParallel() = default;
 void DataParallel::boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   ZTRAIN_CHECK(!buckets_, "DataParallel: this plugin has boosted a model already; make one plugin per model");
   ZTRAIN_CHECK(options_.bucket_bytes > 0, "DataParallel: bucket_bytes must be positive, got ", options_.bucket_bytes);
-  auto& context = default_context();
+  auto& context = detail::plugin_context(options_.context);
   detail::check_optimizer_over(model, optimizer, name());
   detail::move_to_device(model, optimizer, context.device(), name());
   const auto params = detail::check_same_model(model, context.dp(), name());

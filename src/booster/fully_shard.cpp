@@ -73,14 +73,14 @@ void FullyShard::boost(torch::nn::Module& model, torch::optim::Optimizer& optimi
     owners.push_back(path);
   }
 
-  auto& context = default_context();
+  auto& context = detail::plugin_context(options_.context);
   detail::move_to_device(model, optimizer, context.device(), name());
   detail::check_same_model(model, context.dp(), name());
   detail::broadcast_from_first(model.buffers(), context.dp());
 
   const auto unit = detail::optimizer_units(optimizer);
   const BlockOptions block{.zero_level = 3, .use_checkpoint = options_.use_checkpoint,
-                           .prefetch_depth = options_.prefetch_depth};
+                           .prefetch_depth = options_.prefetch_depth, .context = context.shared_from_this()};
   order_ = std::make_shared<detail::ExecutionOrder>();
   for (auto& list : lists) {
     list.second->shard(block, ShardGrouping{.unit = unit});
@@ -93,7 +93,8 @@ void FullyShard::boost(torch::nn::Module& model, torch::optim::Optimizer& optimi
     const auto dot = path.rfind('.');
     const auto parent = by_path.at(dot == std::string::npos ? "" : path.substr(0, dot));
     auto shards = std::make_shared<detail::ZeroShards>(
-        by_path.at(path), ShardGrouping{.unit = unit, .max_group_bytes = options_.bucket_bytes}, name());
+        by_path.at(path), ShardGrouping{.unit = unit, .max_group_bytes = options_.bucket_bytes}, name(),
+        context.shared_from_this());
     parent->replace_module(dot == std::string::npos ? path : path.substr(dot + 1), shards);
     roots_.push_back(std::move(shards));
   }
@@ -136,7 +137,7 @@ void FullyShard::link_in_execution_order() {
   for (auto* block : order) {
     signature += std::to_string(std::find(blocks_.begin(), blocks_.end(), block) - blocks_.begin()) + ' ';
   }
-  const auto all = default_context().dp().all_gather_bytes(signature);
+  const auto all = detail::plugin_context(options_.context).dp().all_gather_bytes(signature);
   for (size_t r = 1; r < all.size(); ++r) {
     ZTRAIN_CHECK(all[r] == all[0], "FullyShard: dp ranks 0 and ", r, " called the model's layers in different orders "
                  "in the first step (layer indices ", all[0], "against ", all[r], "); every rank must call the same "

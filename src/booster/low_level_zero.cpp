@@ -19,14 +19,15 @@ void LowLevelZero::boost(torch::nn::Module& model, torch::optim::Optimizer& opti
   ZTRAIN_CHECK(options_.bucket_bytes > 0, "LowLevelZero: bucket_bytes must be positive, got ", options_.bucket_bytes);
   detail::check_optimizer_over(model, optimizer, name());
   detail::check_no_state(optimizer, name());
-  auto& context = default_context();
+  auto& context = detail::plugin_context(options_.context);
   detail::move_to_device(model, optimizer, context.device(), name());
   detail::check_same_model(model, context.dp(), name());
   detail::broadcast_from_first(model.buffers(), context.dp());
 
   const auto unit = detail::optimizer_units(optimizer);
   shards_ = std::make_shared<detail::ZeroShards>(
-      detail::shared_module(model), ShardGrouping{.unit = unit, .max_group_bytes = options_.bucket_bytes}, name());
+      detail::shared_module(model), ShardGrouping{.unit = unit, .max_group_bytes = options_.bucket_bytes}, name(),
+      context.shared_from_this());
   detail::hand_shards(optimizer, {shards_.get()}, unit);
   buckets_ = detail::shard_buckets(context, {shards_.get()}, options_.stage);
 }

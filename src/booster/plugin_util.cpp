@@ -1,12 +1,17 @@
 #include "plugin_util.h"
 
 #include <ztrain/error.h>
+#include <ztrain/runtime/init.h>
 
 #include <map>
 #include <sstream>
 #include <unordered_set>
 
 namespace ztrain::detail {
+
+ParallelContext& plugin_context(const std::shared_ptr<ParallelContext>& context) {
+  return context ? *context : default_context();
+}
 
 void check_optimizer_over(torch::nn::Module& model, const torch::optim::Optimizer& optimizer, const std::string& who) {
   // The plugin's reductions cover the model's parameters only.

@@ -2,6 +2,7 @@
 // What every plugin's boost() does to a plain model before its own work.
 
 #include <ztrain/comm/communicator.h>
+#include <ztrain/runtime/parallel_context.h>
 
 #include <torch/torch.h>
 
@@ -10,6 +11,9 @@
 #include <vector>
 
 namespace ztrain::detail {
+
+/// The context a plugin spans: `context`, else the default one (init_distributed's).
+ParallelContext& plugin_context(const std::shared_ptr<ParallelContext>& context);
 
 /// Refuses an optimizer that updates a tensor that is not one of `model`'s parameters.
 void check_optimizer_over(torch::nn::Module& model, const torch::optim::Optimizer& optimizer, const std::string& who);

@@ -71,16 +71,21 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  const int tp = size_of(group_);
-  if (tp == 1) return affine(x, weight, bias, options_.layout);
-  auto y = affine(functional::copy_to_group(x, *group_), weight, bias, options_.layout);
-  if (!options_.gather_output) return y;
-  y = functional::gather_from_group(y, *group_, -1);  // features ordered (rank, part, chunk)
-  if (options_.fused_parts == 1) return y;
+  return column_parallel_linear(x, weight, bias, options_, group_);
+}
+
+torch::Tensor column_parallel_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                     const ColumnParallelLinearOptions& options, Communicator* group) {
+  const int tp = size_of(group);
+  if (tp == 1) return affine(x, weight, bias, options.layout);
+  auto y = affine(functional::copy_to_group(x, *group), weight, bias, options.layout);
+  if (!options.gather_output) return y;
+  y = functional::gather_from_group(y, *group, -1);  // features ordered (rank, part, chunk)
+  if (options.fused_parts == 1) return y;
   auto shape = y.sizes().vec();
   shape.back() = tp;
-  shape.push_back(options_.fused_parts);
-  shape.push_back(options_.out_features / (options_.fused_parts * tp));
+  shape.push_back(options.fused_parts);
+  shape.push_back(options.out_features / (options.fused_parts * tp));
   return y.view(shape).transpose(-3, -2).reshape(y.sizes());  // → (part, rank, chunk)
 }
 
@@ -102,9 +107,14 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options, C
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
-  if (size_of(group_) == 1) return affine(x, weight, bias, options_.layout);
-  auto in = options_.input_is_parallel ? x : functional::scatter_to_group(x, *group_, -1);
-  auto y = functional::reduce_from_group(affine(in, weight, torch::Tensor(), options_.layout), *group_);
+  return row_parallel_linear(x, weight, bias, options_, group_);
+}
+
+torch::Tensor row_parallel_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                  const RowParallelLinearOptions& options, Communicator* group) {
+  if (size_of(group) == 1) return affine(x, weight, bias, options.layout);
+  auto in = options.input_is_parallel ? x : functional::scatter_to_group(x, *group, -1);
+  auto y = functional::reduce_from_group(affine(in, weight, torch::Tensor(), options.layout), *group);
   return bias.defined() ? y + bias : y;
 }
 

@@ -33,6 +33,8 @@ struct DataParallelOptions {
   /// The most gradient bytes one reduction carries (DDP's bucket_cap_mb): smaller buckets
   /// start reducing earlier in backward, larger ones pay fewer per-call costs.
   int64_t bucket_bytes = int64_t{25} << 20;
+  /// The mesh whose dp group the plugin spans. Not set: the default context (init_distributed).
+  std::shared_ptr<ParallelContext> context;
 };
 
 using DataParallelStats = BucketStats;

@@ -27,6 +27,7 @@
 /// - nothing else: the rest of its forward runs as written.
 
 #include <ztrain/booster/booster.h>
+#include <ztrain/runtime/parallel_context.h>
 #include <ztrain/zero/sharded_module.h>
 
 #include <cstdint>
@@ -43,6 +44,8 @@ struct FullyShardOptions {
   int prefetch_depth = 1;
   /// The most bytes one bucket of the parameters outside the layer lists holds.
   int64_t bucket_bytes = int64_t{25} << 20;
+  /// The mesh whose dp group the plugin spans. Not set: the default context (init_distributed).
+  std::shared_ptr<ParallelContext> context;
 };
 
 namespace detail {

@@ -34,6 +34,7 @@
 /// one name. The optimizer must not hold state yet (boost before the first step).
 
 #include <ztrain/booster/booster.h>
+#include <ztrain/runtime/parallel_context.h>
 
 #include <cstdint>
 #include <memory>
@@ -46,6 +47,8 @@ struct LowLevelZeroOptions {
   /// The most parameter bytes one bucket holds: one flat buffer and one reduction. Smaller
   /// buckets start reducing earlier in backward, larger ones pay fewer per-call costs.
   int64_t bucket_bytes = int64_t{25} << 20;
+  /// The mesh whose dp group the plugin spans. Not set: the default context (init_distributed).
+  std::shared_ptr<ParallelContext> context;
 };
 
 namespace detail {

@@ -22,8 +22,9 @@ namespace ztrain::optim {
 /// to it by default. It does not to
 /// - biases and normalisation weights: tensors of fewer than two dimensions;
 /// - embeddings: the weight of a torch::nn::Embedding, and parameters whose record says
-///   no_weight_decay (tp::VocabParallelEmbedding's weight, a DistributedParameter made with
-///   `.weight_decay = false`, a sharded module's flat group of such parameters);
+///   no_weight_decay (ztrain::nn::Embedding's and tp::VocabParallelEmbedding's weights, a
+///   DistributedParameter made with `.weight_decay = false`, a sharded module's flat group of
+///   such parameters);
 /// and does to every other parameter (a sharded module's flat group of decayed parameters too,
 /// whatever its shape).
 std::vector<bool> default_weight_decay(torch::nn::Module& module);

@@ -117,6 +117,16 @@ class RowParallelLinear : public torch::nn::ModuleHolder<RowParallelLinearImpl> 
       : ModuleHolder(std::make_shared<RowParallelLinearImpl>(options, group)) {}
 };
 
+/// The forward of a column-parallel linear over `group` (null: one rank) with this rank's
+/// `weight` and `bias` (undefined: none) slices, shaped as `options` say: what
+/// ColumnParallelLinear and a ztrain::nn::Linear split by columns compute.
+torch::Tensor column_parallel_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                     const ColumnParallelLinearOptions& options, Communicator* group);
+/// The forward of a row-parallel linear: `weight` this rank's slice of the input features,
+/// `bias` the whole (replicated) bias or undefined.
+torch::Tensor row_parallel_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                  const RowParallelLinearOptions& options, Communicator* group);
+
 struct VocabParallelEmbeddingOptions {
   /// The full vocabulary; it must divide by the tp size.
   int64_t num_embeddings = 0;

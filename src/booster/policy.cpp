@@ -1,0 +1,65 @@
+#include <ztrain/booster/policy.h>
+
+#include <ztrain/error.h>
+
+#include <sstream>
+
+namespace ztrain {
+
+namespace {
+
+std::vector<std::string> components(const std::string& path) {
+  std::vector<std::string> out;
+  std::stringstream in(path);
+  for (std::string part; std::getline(in, part, '.');) out.push_back(part);
+  return out;
+}
+
+}  // namespace
+
+bool path_matches(const std::string& pattern, const std::string& path) {
+  const auto want = components(pattern), got = components(path);
+  if (want.size() != got.size()) return false;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (want[i] != "*" && want[i] != got[i]) return false;
+  }
+  return true;
+}
+
+void apply_tensor_parallel(torch::nn::Module& model, const Policy& policy, Communicator& tp, ParallelContext* context) {
+  std::vector<int> matched(policy.tensor_parallel.size(), 0);
+  for (const auto& item : model.named_modules()) {
+    const auto& path = item.key();
+    const TpRule* rule = nullptr;
+    for (size_t r = 0; r < policy.tensor_parallel.size(); ++r) {
+      if (!path_matches(policy.tensor_parallel[r].path, path)) continue;
+      ZTRAIN_CHECK(!rule, "policy '", policy.name, "': module '", path, "' matches both '", rule ? rule->path : "",
+                   "' and '", policy.tensor_parallel[r].path, "'; a module takes one rule");
+      rule = &policy.tensor_parallel[r];
+      ++matched[r];
+    }
+    if (!rule) continue;
+    auto& module = *item.value();
+    try {
+      if (auto* linear = dynamic_cast<nn::LinearImpl*>(&module)) {
+        linear->parallelize(rule->style, tp, context);
+      } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(&module)) {
+        embedding->parallelize(rule->style, tp, context);
+      } else {
+        ZTRAIN_CHECK(false, "it is a ", module.name(), "; the layers a policy splits are ztrain::nn::Linear and "
+                     "ztrain::nn::Embedding (ztrain/tp/nn.h), drop-ins for torch's");
+      }
+    } catch (const Error& e) {
+      ZTRAIN_CHECK(false, "policy '", policy.name, "': cannot split module '", path, "' (rule '", rule->path, "', ",
+                   nn::role_name(rule->style.role), "): ", e.what());
+    }
+  }
+  for (size_t r = 0; r < matched.size(); ++r) {
+    ZTRAIN_CHECK(matched[r] > 0, "policy '", policy.name, "': rule '", policy.tensor_parallel[r].path,
+                 "' names no module of the model");
+  }
+  if (context) nn::adopt_records(model, *context);
+  if (policy.adapt) policy.adapt(model, tp.size());
+}
+
+}  // namespace ztrain
