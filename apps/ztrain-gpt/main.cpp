@@ -339,6 +339,12 @@ std::shared_ptr<zt::Plugin> make_plugin(const TrainArgs& a) {
   if (a.plugin == "zero1" || a.plugin == "zero2") {
     return std::make_shared<zt::LowLevelZero>(zt::LowLevelZeroOptions{.stage = a.plugin == "zero1" ? 1 : 2});
   }
+  if (a.plugin == "hybrid") {
+    return std::make_shared<zt::HybridParallel>(zt::HybridParallelOptions{.tp_size = a.tp,
+                                                                          .zero_level = a.model.zero_level,
+                                                                          .policy = zt::models::plain_gpt_policy(),
+                                                                          .use_checkpoint = a.model.recompute});
+  }
   return std::make_shared<zt::FullyShard>(zt::FullyShardOptions{.use_checkpoint = a.model.recompute});
 }
 
@@ -454,8 +460,12 @@ int train(TrainArgs a) {
   ZTRAIN_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
   ZTRAIN_CHECK(a.pp > 1 || !a.micro_batches, "--micro-batches needs --pp > 1 (use --grad-accum without pipeline stages)");
   ZTRAIN_CHECK(a.pp == 1 || a.grad_accum == 1, "with --pp, a step's micro-batches are --micro-batches, not --grad-accum");
-  ZTRAIN_CHECK(a.plugin.empty() || (a.tp == 1 && a.pp == 1), "--plugin ", a.plugin,
-               " is data parallel only: without --plugin, --tp and --pp train on the ZeRO engine");
+  ZTRAIN_CHECK(a.plugin.empty() || a.plugin == "hybrid" || (a.tp == 1 && a.pp == 1), "--plugin ", a.plugin,
+               " is data parallel only: --plugin hybrid takes --tp, and without --plugin --tp and --pp train on the "
+               "ZeRO engine");
+  ZTRAIN_CHECK(a.plugin != "hybrid" || a.pp == 1, "--plugin hybrid does not take --pp yet (GPT-2's head is tied to "
+               "its embedding, and policies do not declare parameters shared across stages yet); without --plugin, "
+               "--pp trains on the ZeRO engine");
   auto& rt = start({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp}, a.where);
   const int dp = rt.dp().size();
   const auto tokenizer = zt::gpt_app::load_tokenizer(a.tokenizer);
@@ -521,11 +531,16 @@ int train(TrainArgs a) {
   const int64_t tokens_per_step = a.batch * *a.seq * micro_batches * dp;
   const std::string pipeline =
       a.pp > 1 ? c10::str(", ", a.pipe_schedule, " pipeline of ", micro_batches, " micro-batches") : std::string();
-  const std::string strategy = a.plugin.empty() ? c10::str("ZeRO level ", a.model.zero_level)
-                                                : c10::str("plugin ", booster->plugin().name(), " (", a.plugin, ")");
+  const bool hybrid = a.plugin == "hybrid";
+  const std::string strategy =
+      a.plugin.empty() ? c10::str("ZeRO level ", a.model.zero_level)
+                       : c10::str("plugin ", booster->plugin().name(), " (", a.plugin,
+                                  hybrid ? c10::str(", ZeRO level ", a.model.zero_level) : std::string(), ")");
   zt::print_rank("ztrain-gpt: ", config.num_parameters() / 1e6, " M parameters (", config.n_layer, " x ", config.d_model,
                  ", ", config.n_head, " heads, context ", config.context, ", ", dtype_name(config.dtype), "), ", strategy,
-                 a.model.recompute && (a.plugin.empty() || a.plugin == "fsdp") ? " with recomputation" : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
+                 a.model.recompute && (a.plugin.empty() || a.plugin == "fsdp" || (hybrid && a.model.zero_level == 3))
+                     ? " with recomputation"
+                     : "", ", ", rt.world_size(), " rank(s) (dp ", dp, " x tp ", a.tp, " x pp ", a.pp, pipeline, ") x ",
                  rt.threads(), " thread(s) on ", rt.device(), "; ", tokens_per_step, " tokens per step; data ", corpus.source(), " (",
                  corpus.train_size(), " train / ", corpus.validation_size(), " validation tokens of ",
                  tokenizer_name == "bytes" ? "bytes" : tokenizer->path(), ", vocabulary ", tokenizer->vocab_size(), ")");
@@ -820,9 +835,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train_cmd->add_option("--plugin", t.plugin,
                         "train the same GPT in plain modules through the Booster: ddp (DataParallel), zero1 or zero2 "
-                        "(LowLevelZero stage 1 or 2) or fsdp (FullyShard: ZeRO-3 per block, --recompute applies); "
-                        "in place of --zero-level, without --tp and --pp")
-      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "fsdp"}));
+                        "(LowLevelZero stage 1 or 2), fsdp (FullyShard: ZeRO-3 per block, --recompute applies), "
+                        "all in place of --zero-level and without --tp and --pp; or hybrid (HybridParallel: --tp "
+                        "ranks per block, ZeRO --zero-level over the rest, without --pp)")
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "fsdp", "hybrid"}));
   train_cmd->add_option("--micro-batches", t.micro_batches,
                         "with --pp: micro-batches of --batch sequences per step (default 2 x pp)");
   train_cmd->add_option("--chunks", t.chunks, "with --schedule interleaved: model chunks per rank")->capture_default_str();

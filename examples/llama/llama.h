@@ -139,8 +139,9 @@ struct LlamaImpl : torch::nn::Module {
     return output(norm(x));
   }
   /// Mean next-token cross-entropy over tokens [batch, t + 1].
-  torch::Tensor loss(const torch::Tensor& tokens) {
-    auto logits = forward(tokens.slice(1, 0, -1));
+  torch::Tensor loss(const torch::Tensor& tokens) { return next_token_loss(forward(tokens.slice(1, 0, -1)), tokens); }
+  /// The cross-entropy of logits [batch, t, vocab] predicting tokens[:, 1:].
+  static torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& tokens) {
     return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), tokens.slice(1, 1).reshape(-1));
   }
   Config config;
@@ -155,10 +156,14 @@ TORCH_MODULE(Llama);
 /// How HybridParallel splits the model over tp ranks (Megatron-LM's layout): the vocabulary of
 /// the embedding; q, k, v and the SwiGLU's w1 and w3 by output features (whole heads per
 /// rank), wo and w2 by input features; the head by vocabulary, its logits gathered for the
-/// loss. The norms stay replicated.
+/// loss. The norms stay replicated. Over pipeline stages: the decoder layers shared out, the
+/// embedding on the first stage, the final norm and the head on the last; a micro-batch is
+/// {tokens [batch, t + 1]}, and forward() falls into the three calls below.
 inline ztrain::Policy policy() {
   using ztrain::nn::TpRole;
+  using ztrain::TensorList;
   const ztrain::nn::TpStyle column{.role = TpRole::kColumn}, row{.role = TpRole::kRow};
+  auto llama = [](torch::nn::Module& model) -> LlamaImpl& { return dynamic_cast<LlamaImpl&>(model); };
   return {.name = "llama",
           .tensor_parallel = {{"tok_embeddings", {.role = TpRole::kVocab}},
                               {"layers.*.attention.wq", column},
@@ -169,12 +174,26 @@ inline ztrain::Policy policy() {
                               {"layers.*.feed_forward.w3", column},
                               {"layers.*.feed_forward.w2", row},
                               {"output", {.role = TpRole::kColumn, .gather_output = true}}},
+          .pipeline = {.layers = "layers",
+                       .first_stage = {"tok_embeddings"},
+                       .last_stage = {"norm", "output"},
+                       .embed = [llama](torch::nn::Module& m, const TensorList& micro_batch) -> TensorList {
+                         return {llama(m).tok_embeddings(micro_batch[0].slice(1, 0, -1))};
+                       },
+                       .layer = [llama](torch::nn::Module& m, int64_t i, const TensorList& x) -> TensorList {
+                         auto& model = llama(m);
+                         return {(*model.layers)[i](x[0], model.rope_cos, model.rope_sin)};
+                       },
+                       .loss = [llama](torch::nn::Module& m, const TensorList& x, const TensorList& micro_batch) {
+                         auto& model = llama(m);
+                         return LlamaImpl::next_token_loss(model.output(model.norm(x[0])), micro_batch[0]);
+                       }},
           .adapt =
-              [](torch::nn::Module& model, int tp) {
-                auto& llama = dynamic_cast<LlamaImpl&>(model);
-                TORCH_CHECK(llama.config.heads % tp == 0, "llama: ", llama.config.heads, " heads do not split over ",
+              [llama](torch::nn::Module& m, int tp) {
+                auto& model = llama(m);
+                TORCH_CHECK(model.config.heads % tp == 0, "llama: ", model.config.heads, " heads do not split over ",
                             tp, " tensor-parallel ranks");
-                for (auto& layer : *llama.layers) layer.module()->attention->heads = llama.config.heads / tp;
+                for (auto& layer : *model.layers) layer.module()->attention->heads = model.config.heads / tp;
               }};
 }
 

@@ -4,9 +4,10 @@
 //   mpirun -np 2 build/examples/llama_train --plugin zero2 --data data/tinyshakespeare.txt
 //
 // --plugin ddp (DataParallel), zero1 or zero2 (LowLevelZero stage 1 or 2), fsdp (FullyShard:
-// ZeRO-3 per decoder layer), hybrid (HybridParallel: --tp ranks split each layer as
-// llama::policy() says, ZeRO --zero-level over the rest). The model source is the same for
-// every plugin; only the plugin line below differs.
+// ZeRO-3 per decoder layer), hybrid (HybridParallel: --tp ranks split each layer and --pp
+// pipeline stages share out the layers as llama::policy() says, ZeRO --zero-level over the
+// rest). The model source is the same for every plugin; only the plugin line below differs,
+// and with pipeline stages the step, which runs micro-batches through the stages.
 #include "llama.h"
 
 #include <ztrain/ztrain.h>
@@ -22,16 +23,25 @@ namespace zt = ztrain;
 int main(int argc, char** argv) try {
   CLI::App app("llama_train: a Llama-style decoder trained under a Booster plugin");
   std::string plugin_name = "zero2", data = "data/tinyshakespeare.txt", out;
-  int steps = 100, batch = 8, tp = 2, zero_level = 1;
+  int steps = 100, batch = 8, tp = 2, pp = 1, zero_level = 1;
   app.add_option("--plugin", plugin_name, "ddp, zero1, zero2, fsdp or hybrid")->capture_default_str();
-  app.add_option("--tp", tp, "hybrid: tensor-parallel ranks per group")->capture_default_str();
-  app.add_option("--zero-level", zero_level, "hybrid: ZeRO level 0-3 over the data-parallel ranks")->capture_default_str();
+  const std::vector<CLI::Option*> hybrid_options{
+      app.add_option("--tp", tp, "hybrid: tensor-parallel ranks per group")->capture_default_str(),
+      app.add_option("--pp", pp, "hybrid: pipeline stages (a step runs --batch micro-batches of one sequence)")
+          ->capture_default_str(),
+      app.add_option("--zero-level", zero_level, "hybrid: ZeRO level 0-3 over the data-parallel ranks")
+          ->capture_default_str()};
   app.add_option("--data", data, "a text file (byte tokens)")->capture_default_str();
   app.add_option("--steps", steps, "optimizer steps")->capture_default_str();
   app.add_option("--batch", batch, "sequences per data-parallel rank and step")->capture_default_str();
   app.add_option("--save", out, "write the model here at the end (safetensors)");
   CLI11_PARSE(app, argc, argv);
 
+  for (const auto* option : hybrid_options) {
+    if (plugin_name != "hybrid" && option->count() > 0) {
+      throw std::invalid_argument(option->get_name() + " is an option of --plugin hybrid");
+    }
+  }
   auto& rt = zt::init_distributed({.seed = 0});
   std::shared_ptr<zt::Plugin> plugin;
   if (plugin_name == "ddp") {
@@ -42,7 +52,7 @@ int main(int argc, char** argv) try {
     plugin = std::make_shared<zt::FullyShard>();
   } else if (plugin_name == "hybrid") {
     plugin = std::make_shared<zt::HybridParallel>(
-        zt::HybridParallelOptions{.tp_size = tp, .zero_level = zero_level, .policy = llama::policy()});
+        zt::HybridParallelOptions{.tp_size = tp, .pp_size = pp, .zero_level = zero_level, .policy = llama::policy()});
   } else {
     throw std::invalid_argument("--plugin must be ddp, zero1, zero2, fsdp or hybrid, got " + plugin_name);
   }
@@ -71,11 +81,18 @@ int main(int argc, char** argv) try {
     for (int64_t i = 0; i < batch; ++i) rows.push_back(corpus.narrow(0, starts[i].item<int64_t>(), config.context + 1));
     const auto tokens = torch::stack(rows).to(rt.device());
     booster.zero_grad();
-    auto loss = model->loss(tokens);
-    booster.backward(loss);
+    torch::Tensor mean;  // over the data-parallel ranks
+    if (pp > 1 && hybrid) {
+      std::vector<std::vector<torch::Tensor>> micro_batches;
+      for (const auto& row : tokens.split(1)) micro_batches.push_back({row});
+      mean = booster.execute_pipeline(micro_batches);
+    } else {
+      auto loss = model->loss(tokens);
+      booster.backward(loss);
+      mean = zt::sum_loss(loss, hybrid ? &hybrid->context() : nullptr);
+    }
     booster.step();
     if (step % 10 == 0 || step + 1 == steps) {
-      const auto mean = zt::sum_loss(loss, hybrid ? &hybrid->context() : nullptr);
       zt::print_rank("step ", step, " loss ", mean.item<double>(), " (", plugin->name(), ")");
     }
   }

@@ -20,7 +20,7 @@ void Booster::boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer
   plugin_->boost(model, optimizer);
   model_ = &plugin_->boosted(model);
   optimizer_ = &optimizer;
-  manager_.emplace(*model_, options_.loss_scaler);
+  manager_.emplace(*model_, options_.loss_scaler, plugin_->mesh());
   manager_->add_optimizer(optimizer, options_.lr_scheduler);
 }
 
@@ -46,6 +46,17 @@ void Booster::zero_grad() {
 
 void Booster::backward(const torch::Tensor& loss) { manager().backward(loss); }
 
+torch::Tensor Booster::execute_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches) {
+  return plugin_->execute_pipeline(micro_batches, manager().loss_scale());
+}
+
+torch::Tensor Plugin::execute_pipeline(const std::vector<std::vector<torch::Tensor>>& /*micro_batches*/,
+                                       double /*loss_scale*/) {
+  ZTRAIN_CHECK(false, name(), " runs no pipeline stages; compute the loss with the model and call "
+               "Booster::backward (HybridParallel with pp_size > 1 runs pipelines)");
+  return {};
+}
+
 bool Booster::step() {
   auto& mgr = manager();
   if (options_.max_grad_norm > 0) last_grad_norm_ = mgr.clip_grad_norm(options_.max_grad_norm);
@@ -59,15 +70,15 @@ Booster::NoSync Booster::no_sync() {
   return NoSync(*plugin_);
 }
 
-void Booster::save_model(const std::string& path, const SaveOptions& options) { save(model(), path, options); }
+void Booster::save_model(const std::string& path, const SaveOptions& options) { save(model(), path, on_mesh(options)); }
 
 void Booster::load_model(const std::string& path, const LoadOptions& options) {
-  load(model(), path, options);
+  load(model(), path, on_mesh(options));
   plugin_->after_update();
 }
 
 void Booster::save_optimizer(const std::string& path, const SaveOptions& options) {
-  save_optimizer_state(model(), optimizer(), path, options);
+  save_optimizer_state(model(), optimizer(), path, on_mesh(options));
 }
 
 void Booster::load_optimizer(const std::string& path) { load_optimizer_state(model(), optimizer(), path); }

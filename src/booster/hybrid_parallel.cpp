@@ -7,15 +7,57 @@
 #include <ztrain/booster/low_level_zero.h>
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/zero/layer_list.h>
+
+#include <unordered_set>
 
 namespace ztrain {
+
+namespace {
+
+/// One pipeline stage of a policy's model: the embedding on the first, layers [first, last),
+/// the head and loss on the last.
+class PolicyStage : public pipe::StageImpl {
+ public:
+  PolicyStage(std::shared_ptr<torch::nn::Module> model, const PipelinePolicy& policy, std::pair<int64_t, int64_t> layers,
+              bool first, bool last)
+      : model_(std::move(model)), policy_(policy), layers_(layers), first_(first), last_(last) {}
+
+  pipe::TensorList forward(const pipe::TensorList& inputs, const pipe::TensorList& micro_batch) override {
+    auto x = first_ ? policy_.embed(*model_, micro_batch) : inputs;
+    for (int64_t i = layers_.first; i < layers_.second; ++i) x = policy_.layer(*model_, i, x);
+    if (last_) return {policy_.loss(*model_, x, micro_batch)};
+    return x;
+  }
+
+ private:
+  std::shared_ptr<torch::nn::Module> model_;
+  PipelinePolicy policy_;
+  std::pair<int64_t, int64_t> layers_;
+  bool first_, last_;
+};
+
+/// The submodule of `model` at `path`, or null.
+std::shared_ptr<torch::nn::Module> find_module(torch::nn::Module& model, const std::string& path) {
+  for (const auto& item : model.named_modules()) {
+    if (item.key() == path) return item.value();
+  }
+  return nullptr;
+}
+
+}  // namespace
 
 HybridParallel::HybridParallel(HybridParallelOptions options) : options_(std::move(options)) {
   ZTRAIN_CHECK(options_.tp_size >= 1, "HybridParallel: tp_size must be >= 1, got ", options_.tp_size);
   ZTRAIN_CHECK(options_.zero_level >= 0 && options_.zero_level <= 3, "HybridParallel: zero_level must be 0-3, got ",
                options_.zero_level);
-  ZTRAIN_CHECK(options_.tp_size == 1 || !options_.policy.tensor_parallel.empty(), "HybridParallel: tp_size ",
-               options_.tp_size, " with a policy ('", options_.policy.name, "') that splits no layer");
+  ZTRAIN_CHECK(options_.pp_size >= 1, "HybridParallel: pp_size must be >= 1, got ", options_.pp_size);
+  const auto& pipeline = options_.policy.pipeline;
+  ZTRAIN_CHECK(options_.pp_size == 1 || (pipeline && pipeline.embed && pipeline.layer && pipeline.loss),
+               "HybridParallel: pp_size ", options_.pp_size, " with a policy ('", options_.policy.name,
+               "') whose pipeline part does not name the layer list and its embed, layer and loss calls");
+  ZTRAIN_CHECK(options_.schedule != pipe::ScheduleKind::kInterleaved1F1B,
+               "HybridParallel: the interleaved schedule is not supported yet; use GPipe or 1F1B");
 }
 
 HybridParallel::~HybridParallel() = default;
@@ -23,27 +65,53 @@ HybridParallel::~HybridParallel() = default;
 void HybridParallel::boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   ZTRAIN_CHECK(!inner_, "HybridParallel: this plugin has boosted a model already; make one plugin per model");
   auto& base = default_context();
-  ZTRAIN_CHECK(base.world_size() % options_.tp_size == 0, "HybridParallel: tp_size ", options_.tp_size,
-               " does not divide the ", base.world_size(), " ranks");
-  if (base.tp().size() == options_.tp_size && base.pp().size() == 1) {
+  ZTRAIN_CHECK(base.world_size() % (options_.tp_size * options_.pp_size) == 0, "HybridParallel: tp_size ",
+               options_.tp_size, " x pp_size ", options_.pp_size, " does not divide the ", base.world_size(), " ranks");
+  if (base.tp().size() == options_.tp_size && base.pp().size() == options_.pp_size) {
     context_ = base.shared_from_this();
   } else {
-    auto layout = base.options();  // the same seed, device and buffers, laid out dp × tp
+    auto layout = base.options();  // the same seed, device and buffers, laid out pp × dp × tp
     layout.tp_size = options_.tp_size;
-    layout.pp_size = 1;
+    layout.pp_size = options_.pp_size;
     layout.name = "hybrid";
     context_ = base.split(0, layout);
   }
   detail::check_optimizer_over(model, optimizer, name());
   detail::move_to_device(model, optimizer, context_->device(), name());
-  // Every tp rank splits the same full tensors: rank 0's.
-  const auto params = detail::check_same_model(model, context_->world(), name());
-  std::vector<torch::Tensor> state;
-  for (const auto& item : params) state.push_back(item.second);
-  for (const auto& b : model.buffers()) state.push_back(b);
-  detail::broadcast_from_first(state, context_->world());
-  apply_tensor_parallel(model, options_.policy, context_->tp(), context_.get());
+  split_tensor_parallel(model);
+  if (options_.pp_size > 1) hold_stage(model, optimizer);
+  boost_data_parallel(model, optimizer);
+  if (options_.pp_size > 1) build_pipeline(model);
+}
 
+void HybridParallel::split_tensor_parallel(torch::nn::Module& model) {
+  // Every rank starts from rank 0's model, and splits the same full tensors; the slices of
+  // layers split at construction (ztrain::tp layers) come from the lowest rank with their tp
+  // rank.
+  detail::check_same_model(model, context_->world(), name());
+  std::vector<torch::Tensor> whole, slices;
+  for (const auto& p : recorded_parameters(model)) (p.record && p.record->tp_distinct ? slices : whole).push_back(p.tensor);
+  for (const auto& b : model.buffers()) whole.push_back(b);
+  detail::broadcast_from_first(whole, context_->world());
+  if (!slices.empty()) {  // alike on every rank: the same model
+    const auto same_tp_rank = context_->world().split(context_->tp_rank(), context_->rank(), "hybrid.tp_rank");
+    detail::broadcast_from_first(slices, *same_tp_rank);
+  }
+  apply_tensor_parallel(model, options_.policy, context_->tp(), context_.get());
+  bool split = false;
+  for (const auto& p : recorded_parameters(model)) {
+    if (!p.record || !p.record->tp_distinct) continue;
+    split = true;
+    ZTRAIN_CHECK(p.record->tp_group == &context_->tp(), "HybridParallel: parameter '", p.name, "' is split over ",
+                 p.record->tp_group ? p.record->tp_group->size() : 1, " tensor-parallel ranks, not over the plugin's ",
+                 options_.tp_size, "; build layers that split at construction under init_distributed({.tp_size = ",
+                 options_.tp_size, "})");
+  }
+  ZTRAIN_CHECK(options_.tp_size == 1 || split, "HybridParallel: tp_size ", options_.tp_size, ", but neither the policy ('",
+               options_.policy.name, "') nor the model's own layers split a parameter over the tensor-parallel group");
+}
+
+void HybridParallel::boost_data_parallel(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   switch (options_.zero_level) {
     case 0:
       inner_ = std::make_shared<DataParallel>(
@@ -63,9 +131,72 @@ void HybridParallel::boost(torch::nn::Module& model, torch::optim::Optimizer& op
   inner_->boost(model, optimizer);
 }
 
+void HybridParallel::build_pipeline(torch::nn::Module& model) {
+  const int stage = context_->pp_rank();
+  auto chunk = std::make_shared<PolicyStage>(detail::shared_module(model), options_.policy.pipeline, held_, stage == 0,
+                                             stage == options_.pp_size - 1);
+  pipeline_ = std::make_unique<pipe::Pipeline>(
+      std::vector<std::shared_ptr<pipe::StageImpl>>{chunk},
+      pipe::PipelineOptions{.schedule = options_.schedule,
+                            .broadcast_loss = true,
+                            .context = context_,
+                            // Gradients accumulate unreduced until the stage's last backward.
+                            .before_backward = [this](bool last) { inner_->set_gradient_sync(sync_ && last); }});
+}
+
+void HybridParallel::hold_stage(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  const auto& policy = options_.policy.pipeline;
+  auto* list = dynamic_cast<LayerListBase*>(find_module(model, policy.layers).get());
+  ZTRAIN_CHECK(list, "HybridParallel: policy '", options_.policy.name, "' names the layer list '", policy.layers,
+               "', which is not a ztrain::LayerList of the model");
+  const auto n = static_cast<int64_t>(list->size());
+  const auto bounds = options_.bounds.empty() ? pipe::partition_uniform(n, options_.pp_size)
+                                              : pipe::partition_explicit(options_.bounds, n, options_.pp_size);
+  const int stage = context_->pp_rank();
+  held_ = {bounds[stage], bounds[stage + 1]};
+  list->hold(static_cast<size_t>(held_.first), static_cast<size_t>(held_.second));
+  // The ends this stage does not hold: let go of in the model, their tensors freed.
+  std::vector<std::string> dropped;
+  if (stage != 0) dropped = policy.first_stage;
+  if (stage != options_.pp_size - 1) dropped.insert(dropped.end(), policy.last_stage.begin(), policy.last_stage.end());
+  for (const auto& path : dropped) {
+    const auto module = find_module(model, path);
+    ZTRAIN_CHECK(module && !path.empty(), "HybridParallel: policy '", options_.policy.name, "' names the stage end '",
+                 path, "', which is not a submodule of the model");
+    const auto dot = path.rfind('.');
+    const auto parent = dot == std::string::npos ? detail::shared_module(model) : find_module(model, path.substr(0, dot));
+    parent->replace_module(path.substr(dot == std::string::npos ? 0 : dot + 1),
+                           std::make_shared<torch::nn::Module>("DroppedModule"));
+    torch::NoGradGuard no_grad;
+    for (auto& p : module->parameters()) p.set_data(torch::empty({0}, p.options()));
+  }
+  // The optimizer updates what the stage holds.
+  std::unordered_set<const c10::TensorImpl*> held;
+  for (const auto& p : model.parameters()) held.insert(p.unsafeGetTensorImpl());
+  for (auto& group : optimizer.param_groups()) {
+    auto& params = group.params();
+    params.erase(std::remove_if(params.begin(), params.end(),
+                                [&](const torch::Tensor& p) { return !held.count(p.unsafeGetTensorImpl()); }),
+                 params.end());
+  }
+}
+
+torch::Tensor HybridParallel::execute_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches,
+                                               double loss_scale) {
+  ZTRAIN_CHECK(inner_, "HybridParallel: boost() first");
+  ZTRAIN_CHECK(pipeline_, "HybridParallel: execute_pipeline needs pp_size > 1; with one stage compute the loss "
+               "with the model and call Booster::backward");
+  auto loss = pipeline_->forward_backward_step(micro_batches, loss_scale);
+  inner_->set_gradient_sync(sync_);
+  return sum_loss(loss, context_.get());
+}
+
 torch::nn::Module& HybridParallel::boosted(torch::nn::Module& model) { return data_parallel().boosted(model); }
 
-void HybridParallel::set_gradient_sync(bool on) { data_parallel().set_gradient_sync(on); }
+void HybridParallel::set_gradient_sync(bool on) {
+  data_parallel().set_gradient_sync(on);
+  sync_ = on;
+}
 
 void HybridParallel::after_zero_grad() {
   if (inner_) inner_->after_zero_grad();

@@ -25,13 +25,14 @@ std::vector<detail::ShardedEntry> model_entries(torch::nn::Module& model) {
 void save(torch::nn::Module& model, const std::string& path, const SaveOptions& options) {
   auto metadata = options.metadata;
   metadata["format"] = "pt";
-  detail::write_sharded(path, model_entries(model), metadata, options.parallel, detail::comms_of(context_of(model)));
+  detail::write_sharded(path, model_entries(model), metadata, options.parallel,
+                        detail::comms_of(detail::context_for(model, options.context)));
 }
 
 void load(torch::nn::Module& model, const std::string& path, const LoadOptions& options) {
   ckpt::SafetensorsReader reader(path);
   const auto entries = model_entries(model);
-  const auto comms = detail::comms_of(context_of(model));
+  const auto comms = detail::comms_of(detail::context_for(model, options.context));
   std::vector<std::string> names;
   for (const auto& e : entries) names.push_back(e.name);
   // Pipeline stages: the whole model's names.

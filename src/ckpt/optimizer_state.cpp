@@ -93,7 +93,7 @@ StateFile state_file(torch::nn::Module& model, torch::optim::Optimizer& optimize
       for (const auto& r : h.refs) steps[r.name] = *s.step;
     }
   }
-  auto* context = context_of(model);
+  auto* context = detail::context_for(model, options.context);
   if (context && context->pp().size() > 1) {  // the file's metadata is world rank 0's: every stage's steps
     for (const auto& part : context->pp().all_gather_bytes(steps.dump())) steps.update(nlohmann::json::parse(part));
   }
@@ -108,7 +108,8 @@ StateFile state_file(torch::nn::Module& model, torch::optim::Optimizer& optimize
 void save_optimizer_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const std::string& path,
                           const SaveOptions& options) {
   auto file = state_file(model, optimizer, options);
-  detail::write_sharded(path, file.entries, file.metadata, options.parallel, detail::comms_of(context_of(model)));
+  detail::write_sharded(path, file.entries, file.metadata, options.parallel,
+                        detail::comms_of(detail::context_for(model, options.context)));
 }
 
 namespace detail {
@@ -128,7 +129,7 @@ std::function<void(const SaveComms&)> optimizer_state_writer(torch::nn::Module& 
 PendingSave save_optimizer_state_async(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                        const std::string& path, const SaveOptions& options) {
   detail::wait_for_background_save();  // one copy in memory at a time
-  return detail::start_background_save(context_of(model), path,
+  return detail::start_background_save(detail::context_for(model, options.context), path,
                                        detail::optimizer_state_writer(model, optimizer, path, options));
 }
 

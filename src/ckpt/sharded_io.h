@@ -58,6 +58,10 @@ struct SaveComms {
 };
 /// The world, dp, tp and pp communicators of `context` (all null for none).
 SaveComms comms_of(ParallelContext* context);
+/// `given`, else the context `model`'s records name (context_of).
+inline ParallelContext* context_for(torch::nn::Module& model, ParallelContext* given) {
+  return given ? given : context_of(model);
+}
 
 /// Writes every entry to `path`, collective over `comms.world`, all-gathering ZeRO shards over
 /// `comms.dp` and tensor-parallel slices over `comms.tp`. The ranks of one pipeline stage

@@ -9,8 +9,8 @@
 
 namespace ztrain::optim {
 
-OptimManager::OptimManager(torch::nn::Module& model, LossScaler scaler)
-    : model_(model), context_(context_of(model)), scaler_(std::move(scaler)) {}
+OptimManager::OptimManager(torch::nn::Module& model, LossScaler scaler, ParallelContext* context)
+    : model_(model), context_(context ? context : context_of(model)), scaler_(std::move(scaler)) {}
 
 void OptimManager::add_optimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<LRScheduler> scheduler) {
   for (auto* o : optimizers_) ZTRAIN_CHECK(o != &optimizer, "OptimManager: this optimizer was added already");

@@ -63,15 +63,29 @@ score=$("$gpt" score --model "$work/bpe/model.safetensors" --input "$work/score.
 # schedule);
 # a FullyShard checkpoint resumes under LowLevelZero; the plugin's model file evaluates.
 losses() { grep -o '"loss":[0-9.e-]*' "$1" | head -20 | cut -d: -f2; }
+# The first 20 losses of metrics files $1 and $2 agree within 1e-4 relative.
+same_losses() {
+  paste <(losses "$1") <(losses "$2") | awk '
+    { n++; d = $1 - $2; if (d < 0) d = -d; if (d > 1e-4 * $2) { print "step " n ": " $1 " vs " $2; bad = 1 } }
+    END { exit bad || n != 20 }'
+}
 plain=(--data "$work/corpus.txt" --preset tiny --seq 32 --eval-interval 10 --eval-batches 2 --ckpt-interval 10 --recompute)
 for plugin in ddp zero2 fsdp; do
   "${mp[@]}" -np 2 "$gpt" train "${plain[@]}" --plugin "$plugin" --batch 4 --steps 20 --out "$work/plugin_$plugin" \
     > "$work/plugin_$plugin.log" 2>&1 || fail "--plugin $plugin: $(tail -3 "$work/plugin_$plugin.log")"
   grep -q "plugin .*($plugin)" "$work/plugin_$plugin.log" || fail "--plugin $plugin: the run does not say its plugin"
-  paste <(losses "$work/plugin_$plugin/metrics.jsonl") <(losses "$work/run/metrics.jsonl") | awk '
-    { n++; d = $1 - $2; if (d < 0) d = -d; if (d > 1e-4 * $2) { print "step " n ": " $1 " vs " $2; bad = 1 } }
-    END { exit bad || n != 20 }' || fail "--plugin $plugin: the losses differ from the engine's"
+  same_losses "$work/plugin_$plugin/metrics.jsonl" "$work/run/metrics.jsonl" \
+    || fail "--plugin $plugin: the losses differ from the engine's"
 done
+# HybridParallel at tp 2 with ZeRO-2 gives the engine's losses at tp 2 with ZeRO-2.
+for way in engine hybrid; do
+  extra=(--zero-level 2); [[ $way == hybrid ]] && extra+=(--plugin hybrid)
+  "${mp[@]}" -np 2 "$gpt" train "${plain[@]}" --tp 2 "${extra[@]}" --batch 4 --steps 20 --out "$work/tp_$way" \
+    > "$work/tp_$way.log" 2>&1 || fail "--tp 2 ($way): $(tail -3 "$work/tp_$way.log")"
+done
+grep -q "plugin HybridParallel (hybrid, ZeRO level 2)" "$work/tp_hybrid.log" || fail "--plugin hybrid does not say so"
+same_losses "$work/tp_hybrid/metrics.jsonl" "$work/tp_engine/metrics.jsonl" \
+  || fail "--plugin hybrid --tp 2: the losses differ from the engine's at --tp 2"
 "${mp[@]}" -np 2 "$gpt" train "${plain[@]}" --plugin zero2 --batch 4 --steps 22 --resume --out "$work/plugin_fsdp" \
   > "$work/plugin_resume.log" 2>&1 \
   || fail "resuming a FullyShard checkpoint under LowLevelZero: $(tail -3 "$work/plugin_resume.log")"

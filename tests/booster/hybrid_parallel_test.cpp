@@ -8,12 +8,18 @@
 #include "parity.h"
 
 #include <filesystem>
+#include <set>
 
 namespace ztrain::test {
 namespace {
 
-std::shared_ptr<Plugin> hybrid(int tp, int zero_level, bool use_checkpoint = false) {
+std::shared_ptr<Plugin> hybrid(int tp, int zero_level, bool use_checkpoint = false, int pp = 1,
+                               pipe::ScheduleKind schedule = pipe::ScheduleKind::k1F1B,
+                               std::vector<int64_t> bounds = {}) {
   return std::make_shared<HybridParallel>(HybridParallelOptions{.tp_size = tp,
+                                                                .pp_size = pp,
+                                                                .schedule = schedule,
+                                                                .bounds = std::move(bounds),
                                                                 .zero_level = zero_level,
                                                                 .policy = llama::policy(),
                                                                 .use_checkpoint = use_checkpoint,
@@ -50,6 +56,57 @@ TEST(HybridParallel, LlamaTrainsAsOneProcessAtEveryZeroLevel) {
     SCOPED_TRACE("tp 4, zero 1");
     expect_same(train(family, hybrid(4, 1)), want);
   }
+}
+
+TEST(HybridParallel, PipelineStagesTrainAsOneProcess) {
+  // pp 2 (× dp 2 at four ranks) and tp 2 × pp 2 at four, every ZeRO level, 1F1B; GPipe and an
+  // uneven split (one stage with both layers, the other with the head alone) once each.
+  const auto family = llama_sgd();
+  const auto want = train(family, nullptr);
+  for (int tp : world_size() == 4 ? std::vector<int>{1, 2} : std::vector<int>{1}) {
+    for (int level = 0; level <= 3; ++level) {
+      SCOPED_TRACE("tp " + std::to_string(tp) + " pp 2, zero " + std::to_string(level));
+      expect_same(train(family, hybrid(tp, level, false, 2)), want);
+    }
+  }
+  {
+    SCOPED_TRACE("pp 2, GPipe, zero 2");
+    expect_same(train(family, hybrid(1, 2, false, 2, pipe::ScheduleKind::kGPipe)), want);
+  }
+  SCOPED_TRACE("pp 2, layers split {0, 2, 2}, zero 3 with recomputation");
+  expect_same(train(family, hybrid(1, 3, true, 2, pipe::ScheduleKind::k1F1B, {0, 2, 2})), want);
+}
+
+TEST(HybridParallel, AStageHoldsItsLayersAndEndsAndReducesOncePerStep) {
+  const auto family = llama_sgd();
+  auto plugin = std::dynamic_pointer_cast<HybridParallel>(hybrid(1, 0, false, 2));
+  Trainee staged(family, 7, plugin);
+  const int stage = plugin->context().pp_rank();
+  EXPECT_EQ(plugin->held_layers(), stage == 0 ? std::make_pair(int64_t{0}, int64_t{1}) : std::make_pair(int64_t{1}, int64_t{2}));
+  std::set<std::string> names;
+  for (const auto& p : staged.model->named_parameters()) names.insert(p.key());
+  EXPECT_EQ(names.count("tok_embeddings.weight"), stage == 0 ? 1u : 0u);
+  EXPECT_EQ(names.count("output.weight"), stage == 1 ? 1u : 0u);
+  EXPECT_EQ(names.count("norm.weight"), stage == 1 ? 1u : 0u);
+  EXPECT_EQ(names.count("layers.0.attention.wq.weight"), stage == 0 ? 1u : 0u);
+  EXPECT_EQ(names.count("layers.1.attention.wq.weight"), stage == 1 ? 1u : 0u);
+  size_t updated = 0;
+  for (const auto& group : staged.opt->param_groups()) updated += group.params().size();
+  EXPECT_EQ(updated, names.size()) << "the optimizer updates what the stage holds";
+  // Four micro-batches, one reduction of each bucket (where dp has several ranks): in the
+  // stage's last backward.
+  staged.step(global_batch(0, family.vocab));
+  const auto stats = dynamic_cast<DataParallel&>(plugin->data_parallel()).stats();
+  EXPECT_GT(stats.buckets, 0);
+  EXPECT_EQ(stats.reductions_during_backward + stats.reductions_at_end,
+            plugin->context().dp().size() > 1 ? stats.buckets : 0);
+  // A plugin without stages refuses a pipeline step.
+  torch::nn::Linear plain(2, 2);
+  torch::optim::SGD opt(plain->parameters(), 0.1);
+  Booster booster(std::make_shared<DataParallel>());
+  booster.boost(*plain, opt);
+  const auto msg = error_message([&] { booster.execute_pipeline({{torch::ones({1, 2})}}); });
+  EXPECT_NE(msg.find("DataParallel runs no pipeline stages"), std::string::npos) << msg;
 }
 
 TEST(HybridParallel, TheSplitIsExactInDoublePrecisionWithAdamW) {
@@ -126,6 +183,35 @@ TEST(HybridParallel, FilesLoadUnderOtherPluginsAndLayouts) {
     EXPECT_NEAR(other.step(tokens), next, 1e-5 * std::abs(next));
     for (const auto& [key, value] : other.params()) EXPECT_TRUE(tensors_equal(value, after.at(key), 1e-5, 1e-7)) << key;
   }
+  runtime().world().barrier();
+  if (runtime().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST(HybridParallel, AStagedCheckpointLoadsUnderDataParallelAloneAndFullyShard) {
+  // Saved at tp 2 × pp 2 (pp 2 at two ranks) under ZeRO-1; loaded by the last rank alone under
+  // DataParallel and by the others together under FullyShard (3 ranks at four), each on a
+  // context of its own: the parameters are identical.
+  const auto family = llama_family();
+  const auto dir = shared_temp_dir("hybrid_staged");
+  if (runtime().rank() == 0) std::filesystem::create_directories(dir);
+  runtime().world().barrier();
+  Trainee staged(family, 7, hybrid(world_size() == 4 ? 2 : 1, 1, false, 2));
+  for (int step = 0; step < 3; ++step) staged.step(global_batch(step, family.vocab));
+  const auto saved = staged.params();
+  staged.booster->save_model(dir + "/model.safetensors");
+
+  const bool alone = runtime().rank() == world_size() - 1;
+  auto own = default_context().split(alone ? 1 : 0, {.name = alone ? "alone" : "others"});
+  std::shared_ptr<Plugin> plugin;
+  if (alone) {
+    plugin = std::make_shared<DataParallel>(DataParallelOptions{.context = own});
+  } else {
+    plugin = std::make_shared<FullyShard>(FullyShardOptions{.context = own});
+  }
+  Trainee other(family, 11, plugin);
+  other.booster->load_model(dir + "/model.safetensors");
+  EXPECT_EQ(other.params().size(), saved.size());
+  for (const auto& [key, value] : other.params()) EXPECT_TRUE(tensors_equal(value, saved.at(key))) << key;
   runtime().world().barrier();
   if (runtime().rank() == 0) std::filesystem::remove_all(dir);
 }
@@ -211,8 +297,9 @@ TEST(HybridParallel, APolicyThatDoesNotFitSaysWhere) {
   policy.tensor_parallel[0].style.role = nn::TpRole::kRow;  // tok_embeddings
   msg = boost_with(policy);
   EXPECT_NE(msg.find("splits by vocabulary"), std::string::npos) << msg;
-  msg = error_message([] { HybridParallel(HybridParallelOptions{.tp_size = 2}); });
-  EXPECT_NE(msg.find("splits no layer"), std::string::npos) << msg;
+  policy.tensor_parallel.clear();
+  msg = boost_with(policy);
+  EXPECT_NE(msg.find("nor the model's own layers split a parameter"), std::string::npos) << msg;
   EXPECT_TRUE(path_matches("layers.*.attention.wq", "layers.10.attention.wq"));
   EXPECT_FALSE(path_matches("layers.*.wq", "layers.1.attention.wq"));
 }

@@ -9,6 +9,7 @@
 #include "../../examples/llama/llama.h"
 #include "test_util.h"
 
+#include <filesystem>
 #include <functional>
 #include <map>
 
@@ -103,15 +104,38 @@ struct Trainee {
     const int64_t share = tokens.size(0) / dp.size();
     tokens = tokens.slice(0, dp.rank() * share, (dp.rank() + 1) * share).to(runtime().device());
     booster->zero_grad();
+    if (pipelined()) {  // the share in 4 micro-batches (2 where it has fewer rows)
+      std::vector<std::vector<torch::Tensor>> micro_batches;
+      for (const auto& rows : tokens.chunk(share % 4 == 0 ? 4 : 2, 0)) micro_batches.push_back({rows});
+      const double loss = booster->execute_pipeline(micro_batches).item<double>();
+      EXPECT_TRUE(booster->step());
+      return loss;
+    }
     auto loss = family.loss(*model, tokens);
     booster->backward(loss);
     EXPECT_TRUE(booster->step());
     return dp.all_reduce_scalar(loss.item<double>()) / dp.size();
   }
+  bool pipelined() {
+    auto* hybrid = booster ? dynamic_cast<HybridParallel*>(&booster->plugin()) : nullptr;
+    return hybrid && hybrid->options().pp_size > 1;
+  }
   /// Every parameter's full value under its name in the plain model (collective: a sharded
   /// model's parameters are gathered).
   std::map<std::string, torch::Tensor> params() {
     std::map<std::string, torch::Tensor> out;
+    if (pipelined()) {  // each stage holds its share: read them back from a model file
+      const auto dir = shared_temp_dir("stage_params");
+      if (runtime().rank() == 0) std::filesystem::create_directories(dir);
+      runtime().world().barrier();
+      booster->save_model(dir + "/model.safetensors");
+      auto whole = family.build();
+      load(*whole, dir + "/model.safetensors");
+      for (const auto& p : whole->named_parameters()) out[p.key()] = p.value().detach().cpu();
+      runtime().world().barrier();
+      if (runtime().rank() == 0) std::filesystem::remove_all(dir);
+      return out;
+    }
     for (const auto& ref : named_parameter_refs(*model)) out[ref.name] = full_parameter(ref).cpu();
     return out;
   }

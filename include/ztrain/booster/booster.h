@@ -33,6 +33,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace ztrain {
 
@@ -49,6 +50,9 @@ class Plugin {
   /// The module whose parameters the optimizer updates after boost(): what gradient norms,
   /// overflow checks and checkpoints walk. The model itself unless the plugin shards it.
   virtual torch::nn::Module& boosted(torch::nn::Module& model) { return model; }
+  /// The mesh the plugin lays the model out on, over which gradient norms and checkpoints
+  /// communicate; null: the default context. Valid after boost().
+  virtual ParallelContext* mesh() { return nullptr; }
   /// Whether the next backward passes reduce gradients across ranks (false under no_sync).
   virtual void set_gradient_sync(bool on) = 0;
   /// Called after the gradients were dropped, to re-arm whatever the plugin keeps in them.
@@ -56,6 +60,11 @@ class Plugin {
   /// Called after the optimizer's parameters were written (an applied step, a loaded model
   /// file), to bring what the model computes with up to date. Collective.
   virtual void after_update() {}
+  /// Forward and backward of one step's micro-batches through the plugin's pipeline stages,
+  /// the backward of the mean loss × `loss_scale`; returns the mean loss on every rank. The
+  /// plugins without stages refuse: their steps are the model's forward and backward().
+  virtual torch::Tensor execute_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches,
+                                         double loss_scale);
 };
 
 /// What a plugin's gradient buckets did, for tests and logs.
@@ -89,6 +98,12 @@ class Booster {
   void zero_grad();
   /// Backward of the (scaled) loss; with the plugin's reductions done when it returns.
   void backward(const torch::Tensor& loss);
+  /// A pipeline plugin's step in place of forward and backward (HybridParallel with pp_size > 1):
+  /// every micro-batch (a list of tensors, as the policy's embed and loss take them; the same
+  /// count on every rank, each dp rank its own) runs forward and backward through the stages by
+  /// the plugin's schedule, gradients are reduced once, and the mean loss over the
+  /// micro-batches and the data-parallel replicas is returned on every rank. Collective.
+  torch::Tensor execute_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches);
   /// Clips (BoosterOptions::max_grad_norm), then applies the step unless some rank found an inf
   /// or NaN, and advances the schedule. Collective. Returns whether the step was applied.
   bool step();
@@ -130,6 +145,12 @@ class Booster {
  private:
   torch::nn::Module& model();
   torch::optim::Optimizer& optimizer();
+  /// `options` on the plugin's mesh unless they name one.
+  template <class Options>
+  Options on_mesh(Options options) {
+    if (!options.context) options.context = plugin_->mesh();
+    return options;
+  }
 
   std::shared_ptr<Plugin> plugin_;
   BoosterOptions options_;

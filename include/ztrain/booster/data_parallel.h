@@ -52,6 +52,7 @@ class DataParallel : public Plugin {
   void boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) override;
   void set_gradient_sync(bool on) override;
   void after_zero_grad() override;
+  ParallelContext* mesh() override { return options_.context.get(); }
 
   DataParallelStats stats() const;
   const DataParallelOptions& options() const { return options_; }

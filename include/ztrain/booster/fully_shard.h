@@ -63,6 +63,7 @@ class FullyShard : public Plugin {
   void boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) override;
   void set_gradient_sync(bool on) override;
   void after_zero_grad() override;
+  ParallelContext* mesh() override { return options_.context.get(); }
   void after_update() override;
 
   /// The Blocks of the layer lists, in model order.

@@ -1,12 +1,15 @@
 #pragma once
-/// HybridParallel: tensor parallelism inside groups of `tp_size` ranks, data parallelism with
-/// any ZeRO level across them (ColossalAI's HybridParallelPlugin, Megatron-LM's tp × dp).
+/// HybridParallel: tensor parallelism inside groups of `tp_size` ranks, pipeline stages of
+/// `pp_size` such groups' worth, data parallelism with any ZeRO level across the rest
+/// (ColossalAI's HybridParallelPlugin, Megatron-LM's tp × pp × dp).
 ///
-/// boost() lays the world out as dp × tp (the default context when it already has that tp
-/// size, else a mesh of its own over the same ranks, named "hybrid"), makes every rank's model
+/// boost() lays the world out as pp × dp × tp (the default context when it already has those
+/// sizes, else a mesh of its own over the same ranks, named "hybrid"), makes every rank's model
 /// equal to rank 0's, splits the layers the policy names over the tp group (booster/policy.h:
 /// the model's ztrain::nn layers slice their own parameters in place, so the optimizer's
-/// references hold), then shards over the dp group by `zero_level`:
+/// references hold), keeps on each pipeline stage its share of the policy's layer list and its
+/// ends (the others are let go of, and dropped from the optimizer), then shards over the dp
+/// group by `zero_level`:
 ///
 /// | zero_level | over dp                                  | the plugin underneath |
 /// |------------|------------------------------------------|-----------------------|
@@ -15,15 +18,20 @@
 /// | 3          | parameters too, per layer of a LayerList | FullyShard            |
 ///
 /// Each rank feeds its dp rank's share of the batch, the same on every rank of a tp group
-/// (`plugin.context().dp()` says which); the loss is replicated across a tp group. The global
+/// (`plugin.context().dp()` says which); the loss is replicated across a tp group. With
+/// pp_size > 1 a step is Booster::execute_pipeline(micro_batches) in place of the model's
+/// forward and backward(): the micro-batches run through the stages by `schedule` (GPipe or
+/// 1F1B), the gradients are reduced over dp once, in each stage's last backward. The global
 /// gradient norm counts each split parameter once per slice and each replicated one once.
 /// Files are the usual ones and hold the full tensors: a model saved at tp 2 loads under any
 /// plugin, tp size or world size, and back.
 ///
 /// What a model must do: the layers the policy splits are ztrain::nn::Linear and
-/// ztrain::nn::Embedding (drop-ins for torch's, identical alone); at zero_level 3 the repeated
-/// layers sit in a ztrain::LayerList, as FullyShard requires. Dropout inside a tensor-parallel
-/// region needs the same generator state on every rank of the tp group.
+/// ztrain::nn::Embedding (drop-ins for torch's, identical alone); at zero_level 3 or with
+/// pipeline stages the repeated layers sit in a ztrain::LayerList, which the stages share out.
+/// Dropout inside a tensor-parallel region needs the same generator state on every rank of the
+/// tp group. Each rank builds the whole model before boost() (the layers a stage does not hold
+/// are freed there, not never made).
 ///
 ///   ztrain::Booster booster(std::make_shared<ztrain::HybridParallel>(
 ///       ztrain::HybridParallelOptions{.tp_size = 2, .zero_level = 2, .policy = llama::policy()}));
@@ -31,16 +39,25 @@
 
 #include <ztrain/booster/booster.h>
 #include <ztrain/booster/policy.h>
+#include <ztrain/pipe/pipeline.h>
 #include <ztrain/runtime/parallel_context.h>
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace ztrain {
 
 struct HybridParallelOptions {
   /// Ranks of one tensor-parallel group (consecutive ranks); must divide the world.
   int tp_size = 1;
+  /// Pipeline stages; more than one needs the policy's pipeline part.
+  int pp_size = 1;
+  /// The pipeline schedule: GPipe or 1F1B.
+  pipe::ScheduleKind schedule = pipe::ScheduleKind::k1F1B;
+  /// Cut points of the policy's layer list into pp_size parts (pipe::partition_explicit);
+  /// empty: uniform, the first stages taking the extra layers.
+  std::vector<int64_t> bounds;
   /// ZeRO over the dp group: 0 DataParallel, 1 and 2 LowLevelZero's stages, 3 FullyShard.
   int zero_level = 0;
   /// Which layers split over tp, and how.
@@ -62,18 +79,34 @@ class HybridParallel : public Plugin {
   torch::nn::Module& boosted(torch::nn::Module& model) override;
   void set_gradient_sync(bool on) override;
   void after_zero_grad() override;
+  ParallelContext* mesh() override { return context_.get(); }
   void after_update() override;
+  torch::Tensor execute_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches,
+                                 double loss_scale) override;
 
   /// The dp × tp mesh the model lives on, after boost().
   ParallelContext& context();
   /// The data-parallel plugin underneath (DataParallel, LowLevelZero or FullyShard).
   Plugin& data_parallel();
+  /// With pipeline stages: the layers [first, last) of the policy's list this rank's stage holds.
+  std::pair<int64_t, int64_t> held_layers() const { return held_; }
   const HybridParallelOptions& options() const { return options_; }
 
  private:
+  /// Makes every rank's model rank 0's and splits it over tp as the policy says.
+  void split_tensor_parallel(torch::nn::Module& model);
+  /// Keeps this stage's layers and ends, lets go of the rest and drops them from the optimizer.
+  void hold_stage(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  /// The ZeRO level's plugin over the dp group.
+  void boost_data_parallel(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  void build_pipeline(torch::nn::Module& model);
+
   HybridParallelOptions options_;
   std::shared_ptr<ParallelContext> context_;
   std::shared_ptr<Plugin> inner_;
+  std::pair<int64_t, int64_t> held_{0, 0};
+  std::unique_ptr<pipe::Pipeline> pipeline_;
+  bool sync_ = true;  // outside no_sync
 };
 
 }  // namespace ztrain

@@ -67,6 +67,7 @@ class LowLevelZero : public Plugin {
   torch::nn::Module& boosted(torch::nn::Module& model) override;
   void set_gradient_sync(bool on) override;
   void after_zero_grad() override;
+  ParallelContext* mesh() override { return options_.context.get(); }
   void after_update() override;
 
   BucketStats stats() const;

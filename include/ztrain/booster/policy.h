@@ -22,6 +22,12 @@
 ///
 /// Applying it is checked: every rule must name at least one module, a module may match one
 /// rule, and each must be a ztrain::nn layer whose role fits it; errors name the path.
+///
+/// For pipeline stages the policy also says how the model's forward falls into pieces
+/// (PipelinePolicy, ColossalAI's held layers and per-family pipeline forwards): the LayerList
+/// the stages split, the modules only the first and the last stage hold, and the three pieces
+/// of the forward — the embedding, one layer, the head with the loss — as calls into the
+/// model. A stage holds its layers and ends only; it lets go of the rest.
 
 #include <ztrain/comm/communicator.h>
 #include <ztrain/runtime/parallel_context.h>
@@ -41,11 +47,32 @@ struct TpRule {
   nn::TpStyle style;
 };
 
+using TensorList = std::vector<torch::Tensor>;
+
+/// How a model's forward splits into pipeline stages.
+struct PipelinePolicy {
+  /// The path of the ztrain::LayerList whose layers the stages share out, in order.
+  std::string layers;
+  /// The modules (paths) that only the first stage holds (embeddings), and only the last (the
+  /// final norm, the head); every other stage lets go of them.
+  std::vector<std::string> first_stage, last_stage;
+  /// First stage: a micro-batch → what the first layer takes.
+  std::function<TensorList(torch::nn::Module& model, const TensorList& micro_batch)> embed;
+  /// Layer `index` of the list on the tensors flowing through the stages.
+  std::function<TensorList(torch::nn::Module& model, int64_t index, const TensorList& x)> layer;
+  /// Last stage: the last layer's output and the micro-batch → the micro-batch's mean loss.
+  std::function<torch::Tensor(torch::nn::Module& model, const TensorList& x, const TensorList& micro_batch)> loss;
+  /// Whether the policy describes a pipeline split at all.
+  explicit operator bool() const { return !layers.empty(); }
+};
+
 struct Policy {
   /// The model family, in messages.
   std::string name = "policy";
   /// How the named layers split over the tp group, first matching rule per module.
   std::vector<TpRule> tensor_parallel;
+  /// How the model falls into pipeline stages (needed for pp_size > 1).
+  PipelinePolicy pipeline;
   /// Adjusts what the model's forward reads that the split changed (heads per rank), given the
   /// tp size. Optional.
   std::function<void(torch::nn::Module& model, int tp_size)> adapt;

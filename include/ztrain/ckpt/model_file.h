@@ -27,17 +27,24 @@
 
 namespace ztrain {
 
+class ParallelContext;
+
 struct SaveOptions {
   /// Stored in the file's __metadata__ ("format": "pt" is always added).
   ckpt::Metadata metadata;
   /// Every rank writes its own elements (true) or rank 0 writes what the others gather to it
   /// (false). Not set: parallel when every rank can see the file rank 0 created.
   std::optional<bool> parallel;
+  /// The mesh the model lives on. Null: the one its parameters' records name (context_of), which
+  /// a plain model under a plugin on a mesh of its own does not (Booster passes the plugin's).
+  ParallelContext* context = nullptr;
 };
 
 struct LoadOptions {
   /// Entries of the file that the model does not have are an error (true) or ignored.
   bool strict = true;
+  /// As SaveOptions::context.
+  ParallelContext* context = nullptr;
 };
 
 void save(torch::nn::Module& model, const std::string& path, const SaveOptions& options = {});

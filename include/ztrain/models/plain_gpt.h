@@ -8,6 +8,7 @@
 ///   booster.boost(*model, optimizer);
 ///   auto loss = model->loss(tokens);     // tokens [batch, seq + 1]
 
+#include <ztrain/booster/policy.h>
 #include <ztrain/models/gpt.h>
 #include <ztrain/zero/layer_list.h>
 
@@ -52,5 +53,13 @@ struct PlainGptImpl : torch::nn::Module {
   PlainTransformer transformer;
 };
 TORCH_MODULE(PlainGpt);
+
+/// HybridParallel's policy for PlainGpt. Its blocks are made of ztrain::tp layers, which split
+/// at construction over the default context's tp group (build the model after
+/// init_distributed({.tp_size = t}) and give HybridParallel the same tp_size), so the policy
+/// names no layer; the embeddings and the tied head stay replicated. It has no pipeline part:
+/// the head is tied to the token embedding, and policies do not declare parameters shared
+/// across stages yet (models::GptPipeline runs GPT-2 in pipelines).
+inline Policy plain_gpt_policy() { return {.name = "gpt2"}; }
 
 }  // namespace ztrain::models

@@ -46,8 +46,11 @@ struct OptimManagerState {
 
 class OptimManager {
  public:
-  /// `model` must outlive the manager.
-  explicit OptimManager(torch::nn::Module& model, LossScaler scaler = LossScaler::off());
+  /// `model` must outlive the manager. `context`: the mesh the model lives on, whose groups
+  /// the gradient norm and overflow checks reduce over; null: the one its parameters' records
+  /// name (context_of).
+  explicit OptimManager(torch::nn::Module& model, LossScaler scaler = LossScaler::off(),
+                        ParallelContext* context = nullptr);
 
   /// The optimizer must outlive the manager. The schedule, if any, sets the optimizer's lr
   /// before each step.

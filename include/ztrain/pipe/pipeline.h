@@ -181,6 +181,10 @@ struct PipelineOptions {
   bool broadcast_loss = false;
   /// The mesh whose pp group the stages span. Not set: the default context.
   std::shared_ptr<ParallelContext> context;
+  /// Called before each backward this rank runs in forward_backward_step, with whether it is
+  /// this rank's last of the step (after it, the step's gradients are complete here): what a
+  /// data-parallel plugin needs to reduce gradients once per step rather than per micro-batch.
+  std::function<void(bool last)> before_backward;
 };
 
 class Pipeline {

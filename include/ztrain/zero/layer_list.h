@@ -32,10 +32,18 @@
 
 namespace ztrain {
 
-/// What FullyShard needs of any LayerList<M>.
+/// What FullyShard and HybridParallel need of any LayerList<M>.
 class LayerListBase : public torch::nn::Module {
  public:
+  /// The layers of the whole list, held or not.
   virtual size_t size() const = 0;
+  /// Keeps layers [first, last) and drops the others (a pipeline stage's share, before
+  /// shard()): each dropped layer's registration is replaced by an empty module, so
+  /// parameters(), files and shard() see the held layers only, under their indices in the whole
+  /// list, and the list lets go of the dropped ones. Calling a dropped layer throws.
+  virtual void hold(size_t first, size_t last) = 0;
+  /// Whether layer i is held (every layer, unless hold() dropped some).
+  virtual bool holds(size_t i) const = 0;
   /// Wraps every layer in a Block with `options`, its flat groups formed by `grouping`, in
   /// place (collective over the dp group). Once.
   virtual void shard(const BlockOptions& options, const ShardGrouping& grouping) = 0;
@@ -51,6 +59,8 @@ class LayerListImpl : public LayerListBase {
    public:
     template <class... Args>
     auto operator()(Args&&... args) {
+      ZTRAIN_CHECK(list_->holds(index_), "LayerList: layer ", index_, " is not held here (another pipeline stage "
+                   "holds it)");
       if (list_->blocks_.empty()) return list_->layers_[index_](std::forward<Args>(args)...);
       return list_->blocks_[index_](std::forward<Args>(args)...);
     }
@@ -86,17 +96,36 @@ class LayerListImpl : public LayerListBase {
     return x;
   }
 
+  void hold(size_t first, size_t last) override {
+    ZTRAIN_CHECK(blocks_.empty(), "LayerList: hold() after shard()");
+    ZTRAIN_CHECK(first <= last && last <= layers_.size(), "LayerList: cannot hold layers [", first, ", ", last,
+                 ") of ", layers_.size());
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if ((i >= first && i < last) || layers_[i].is_empty()) continue;
+      replace_module(std::to_string(i), std::make_shared<torch::nn::Module>("DroppedLayer"));
+      layers_[i] = M(nullptr);
+    }
+  }
+  bool holds(size_t i) const override { return i < layers_.size() && !layers_[i].is_empty(); }
+
   void shard(const BlockOptions& options, const ShardGrouping& grouping) override {
     ZTRAIN_CHECK(blocks_.empty(), "LayerList: shard() was called already; a layer can be wrapped once");
-    std::vector<Block<M>> blocks;
-    for (auto& layer : layers_) blocks.emplace_back(std::make_shared<BlockImpl<M>>(layer, options, grouping));
-    BlockListImpl<M> linked(blocks);  // sets each Block's prefetch neighbours, in list order
-    for (size_t i = 0; i < blocks.size(); ++i) replace_module(std::to_string(i), blocks[i].ptr());
+    std::vector<Block<M>> held, blocks;
+    for (auto& layer : layers_) {
+      blocks.push_back(layer.is_empty() ? Block<M>(nullptr) : Block<M>(std::make_shared<BlockImpl<M>>(layer, options, grouping)));
+      if (!layer.is_empty()) held.push_back(blocks.back());
+    }
+    BlockListImpl<M> linked(held);  // sets each Block's prefetch neighbours, in list order
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (!blocks[i].is_empty()) replace_module(std::to_string(i), blocks[i].ptr());
+    }
     blocks_ = std::move(blocks);
   }
   std::vector<ShardedModule*> blocks() override {
     std::vector<ShardedModule*> out;
-    for (auto& b : blocks_) out.push_back(b.get());
+    for (auto& b : blocks_) {
+      if (!b.is_empty()) out.push_back(b.get());
+    }
     return out;
   }
 
