@@ -19,8 +19,8 @@ namespace {
 /// the head and loss on the last.
 class PolicyStage : public pipe::StageImpl {
  public:
-  PolicyStage(std::shared_ptr<torch::nn::Module> model, const PipelinePolicy& policy, std::pair<int64_t, int64_t> layers,
-              bool first, bool last)
+  PolicyStage(std::shared_ptr<torch::nn::Module> model, const PipelinePolicy& policy,
+              std::pair<int64_t, int64_t> layers, bool first, bool last)
       : model_(std::move(model)), policy_(policy), layers_(layers), first_(first), last_(last) {}
 
   pipe::TensorList forward(const pipe::TensorList& inputs, const pipe::TensorList& micro_batch) override {
@@ -90,7 +90,9 @@ void HybridParallel::split_tensor_parallel(torch::nn::Module& model) {
   // rank.
   detail::check_same_model(model, context_->world(), name());
   std::vector<torch::Tensor> whole, slices;
-  for (const auto& p : recorded_parameters(model)) (p.record && p.record->tp_distinct ? slices : whole).push_back(p.tensor);
+  for (const auto& p : recorded_parameters(model)) {
+    (p.record && p.record->tp_distinct ? slices : whole).push_back(p.tensor);
+  }
   for (const auto& b : model.buffers()) whole.push_back(b);
   detail::broadcast_from_first(whole, context_->world());
   if (!slices.empty()) {  // alike on every rank: the same model
@@ -107,8 +109,9 @@ void HybridParallel::split_tensor_parallel(torch::nn::Module& model) {
                  options_.tp_size, "; build layers that split at construction under init_distributed({.tp_size = ",
                  options_.tp_size, "})");
   }
-  ZTRAIN_CHECK(options_.tp_size == 1 || split, "HybridParallel: tp_size ", options_.tp_size, ", but neither the policy ('",
-               options_.policy.name, "') nor the model's own layers split a parameter over the tensor-parallel group");
+  ZTRAIN_CHECK(options_.tp_size == 1 || split, "HybridParallel: tp_size ", options_.tp_size,
+               ", but neither the policy ('", options_.policy.name,
+               "') nor the model's own layers split a parameter over the tensor-parallel group");
 }
 
 void HybridParallel::boost_data_parallel(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
@@ -164,7 +167,8 @@ void HybridParallel::hold_stage(torch::nn::Module& model, torch::optim::Optimize
     ZTRAIN_CHECK(module && !path.empty(), "HybridParallel: policy '", options_.policy.name, "' names the stage end '",
                  path, "', which is not a submodule of the model");
     const auto dot = path.rfind('.');
-    const auto parent = dot == std::string::npos ? detail::shared_module(model) : find_module(model, path.substr(0, dot));
+    const auto parent =
+        dot == std::string::npos ? detail::shared_module(model) : find_module(model, path.substr(0, dot));
     parent->replace_module(path.substr(dot == std::string::npos ? 0 : dot + 1),
                            std::make_shared<torch::nn::Module>("DroppedModule"));
     torch::NoGradGuard no_grad;

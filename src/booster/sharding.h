@@ -19,8 +19,9 @@ class ZeroShards final : public ShardedModule {
  public:
   ZeroShards(std::shared_ptr<torch::nn::Module> module, const ShardGrouping& grouping, const std::string& kind,
              std::shared_ptr<ParallelContext> context)
-      : ShardedModule(std::move(module), BlockOptions{.zero_level = 1, .use_checkpoint = false, .context = std::move(context)},
-                      kind, grouping) {}
+      : ShardedModule(std::move(module),
+                      BlockOptions{.zero_level = 1, .use_checkpoint = false, .context = std::move(context)}, kind,
+                      grouping) {}
 };
 
 /// Which parameter group of `optimizer` updates a tensor (-1: none), as a ShardGrouping::unit.

@@ -40,7 +40,9 @@ void adopt_records(torch::nn::Module& module, ParallelContext& context) {
     auto* records = dynamic_cast<ParameterRecords*>(item.value().get());
     if (!records) continue;
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
-      if (records->find_record(p.key()) && !records->record(p.key()).context) records->record(p.key()).context = &context;
+      if (!records->find_record(p.key())) continue;
+      auto& record = records->record(p.key());
+      if (!record.context) record.context = &context;
     }
   }
 }

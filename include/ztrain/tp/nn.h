@@ -72,7 +72,8 @@ void adopt_records(torch::nn::Module& module, ParallelContext& context);
 class LinearImpl : public torch::nn::Module, public ParameterRecords {
  public:
   explicit LinearImpl(const torch::nn::LinearOptions& options);
-  LinearImpl(int64_t in_features, int64_t out_features) : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
+  LinearImpl(int64_t in_features, int64_t out_features)
+      : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
   /// torch::nn::Linear's initialisation: weight kaiming-uniform (a = √5), bias U(±1/√in).
   void reset_parameters();
   torch::Tensor forward(const torch::Tensor& x);

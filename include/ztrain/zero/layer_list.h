@@ -19,8 +19,10 @@
 /// shard() (FullyShard calls it) wraps every layer in a Block — ZeRO level 3 over the dp group,
 /// the next layers prefetched in list order (FullyShard relinks them in the order its first
 /// step ran them) — registered in the layer's place under the same name; from then on every
-/// call goes through the Blocks, and `layer.module()` is still the user's layer. A layer's forward must be one a Block can wrap: tensors and other arguments
-/// in, a tensor, a tuple or pair of tensors, or a vector of tensors out (zero/block.h).
+/// call goes through the Blocks, and `layer.module()` is still the user's layer. A layer's
+/// forward must be one a Block can wrap: tensors and other arguments in, a tensor, a tuple or
+/// pair of tensors, or a vector of tensors out (zero/block.h). hold() (HybridParallel calls it
+/// for a pipeline stage) keeps a contiguous part of the layers and lets go of the others.
 
 #include <ztrain/error.h>
 #include <ztrain/zero/block_list.h>
@@ -112,7 +114,8 @@ class LayerListImpl : public LayerListBase {
     ZTRAIN_CHECK(blocks_.empty(), "LayerList: shard() was called already; a layer can be wrapped once");
     std::vector<Block<M>> held, blocks;
     for (auto& layer : layers_) {
-      blocks.push_back(layer.is_empty() ? Block<M>(nullptr) : Block<M>(std::make_shared<BlockImpl<M>>(layer, options, grouping)));
+      blocks.push_back(layer.is_empty() ? Block<M>(nullptr)
+                                        : Block<M>(std::make_shared<BlockImpl<M>>(layer, options, grouping)));
       if (!layer.is_empty()) held.push_back(blocks.back());
     }
     BlockListImpl<M> linked(held);  // sets each Block's prefetch neighbours, in list order
