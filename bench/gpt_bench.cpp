@@ -205,6 +205,7 @@ struct Args {
   std::string data = "data/tinyshakespeare.txt";
   std::string json_path, profile_path, tag;
   std::string plugin = "ddp";
+  std::string attention = "fused";
   bool probe = false, offload = false;
   std::optional<std::string> device;  // not set: ZTRAIN_DEVICE, else the CPU
 };
@@ -224,6 +225,7 @@ int run(const Args& a) {
                "--plugin must be ddp, zero1, zero2 or fsdp, got ", a.plugin);
   ZTRAIN_CHECK(a.level >= 0 && a.level <= 3, "--level must be 0..3, got ", a.level);
   ZTRAIN_CHECK(a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be fp32 or bf16, got ", a.dtype);
+  ZTRAIN_CHECK(a.attention == "fused" || a.attention == "eager", "--attention must be fused or eager, got ", a.attention);
   const int steps = world.broadcast_object(a.steps, 0), warmup = world.broadcast_object(a.warmup, 0);
   ZTRAIN_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
 
@@ -233,6 +235,7 @@ int run(const Args& a) {
   if (a.heads) config.n_head = *a.heads;
   if (a.context) config.context = *a.context;
   config.dtype = a.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  config.fused_attention = a.attention == "fused";
   const int64_t seq = a.seq.value_or(config.context);
   ZTRAIN_CHECK(seq >= 1 && seq <= config.context, "--seq must be in [1, context = ", config.context, "], got ", seq);
   const int n = rt.world_size();
@@ -391,7 +394,8 @@ int run(const Args& a) {
       {"ranks", n},
       {"threads", rt.threads()},
       {"model", {{"vocab", config.vocab_size}, {"context", config.context}, {"d_model", config.d_model},
-                 {"layers", config.n_layer}, {"heads", config.n_head}, {"preset", a.preset}}},
+                 {"layers", config.n_layer}, {"heads", config.n_head}, {"preset", a.preset},
+                 {"attention", a.attention}}},
       {"params", psi},
       {"embedding_params", config.vocab_size * config.d_model + config.context * config.d_model},
       {"batch", a.batch},
@@ -437,6 +441,7 @@ int main(int argc, char** argv) try {
   app.add_option("--heads", a.heads, "override the preset's heads");
   app.add_option("--context", a.context, "override the preset's context");
   app.add_option("--dtype", a.dtype, "fp32 or bf16 (fp32 masters)")->capture_default_str();
+  app.add_option("--attention", a.attention, "fused (scaled_dot_product_attention) or eager")->capture_default_str();
   app.add_option("--level", a.level, "ZeRO level 0..3 (system ztrain)")->capture_default_str();
   app.add_option("--batch", a.batch, "sequences per rank")->capture_default_str();
   app.add_option("--seq", a.seq, "sequence length (default: the context)");

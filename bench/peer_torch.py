@@ -66,9 +66,10 @@ class Conv1D(torch.nn.Module):
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, d, heads):
+    def __init__(self, d, heads, fused=True):
         super().__init__()
         self.heads = heads
+        self.fused = fused  # F.scaled_dot_product_attention, as GptConfig::fused_attention
         self.c_attn = Conv1D(d, 3 * d)
         self.c_proj = Conv1D(d, d)
 
@@ -76,6 +77,9 @@ class Attention(torch.nn.Module):
         b, t, d = x.shape
         hd = d // self.heads
         qkv = self.c_attn(x).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
+        if self.fused:
+            y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+            return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
         s = torch.matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / math.sqrt(hd))
         s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         p = torch.softmax(s, -1, dtype=torch.float32).to(qkv.dtype)
@@ -93,10 +97,10 @@ class Mlp(torch.nn.Module):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, d, heads):
+    def __init__(self, d, heads, fused=True):
         super().__init__()
         self.ln_1 = torch.nn.LayerNorm(d, eps=1e-5)
-        self.attn = Attention(d, heads)
+        self.attn = Attention(d, heads, fused)
         self.ln_2 = torch.nn.LayerNorm(d, eps=1e-5)
         self.mlp = Mlp(d)
 
@@ -110,7 +114,7 @@ class Transformer(torch.nn.Module):
         super().__init__()
         self.wte = torch.nn.Embedding(c["vocab"], c["d_model"])
         self.wpe = torch.nn.Embedding(c["context"], c["d_model"])
-        self.h = torch.nn.ModuleList(Block(c["d_model"], c["heads"]) for _ in range(c["layers"]))
+        self.h = torch.nn.ModuleList(Block(c["d_model"], c["heads"], c.get("attention", "fused") == "fused") for _ in range(c["layers"]))
         self.ln_f = torch.nn.LayerNorm(c["d_model"], eps=1e-5)
 
 
@@ -211,6 +215,7 @@ def train(a):
     for k in ("d_model", "layers", "heads", "context"):
         if getattr(a, k) is not None:
             c[k] = getattr(a, k)
+    c["attention"] = a.attention
     seq = a.seq or c["context"]
     device = torch.device(a.device)
     model = Gpt(c).to(device)
@@ -272,7 +277,7 @@ def train(a):
         "ranks": n,
         "threads": torch.get_num_threads(),
         "model": {"vocab": c["vocab"], "context": c["context"], "d_model": c["d_model"], "layers": c["layers"],
-                  "heads": c["heads"], "preset": a.preset},
+                  "heads": c["heads"], "preset": a.preset, "attention": a.attention},
         "params": params, "batch": a.batch, "seq": seq, "steps": a.steps, "warmup": a.warmup,
         "optimizer": ("ZeroRedundancyOptimizer(" if a.system == "ddp_zero" else "(")
         + "torch.optim.AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1)",
@@ -335,6 +340,8 @@ def main():
     p.add_argument("--heads", type=int)
     p.add_argument("--context", type=int)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--attention", choices=["fused", "eager"], default="fused",
+                   help="F.scaled_dot_product_attention or the eager product and softmax")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, help="sequence length (default: the context)")
     p.add_argument("--steps", type=int, default=10)

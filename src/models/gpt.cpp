@@ -80,7 +80,7 @@ int size_of(const Communicator* tp) { return tp ? tp->size() : 1; }
 GptAttentionImpl::GptAttentionImpl(const GptConfig& c, Communicator* tp)
     : n_head(c.n_head / size_of(tp::resolve_group(tp))), head_dim(c.d_model / c.n_head), c_attn(column(c.d_model, 3 * c.d_model, tp, 3)),
       c_proj(row(c.d_model, c.d_model, tp)),
-      attn_dropout(c.dropout), resid_dropout(c.dropout) {
+      attn_dropout(c.dropout), resid_dropout(c.dropout), fused(c.fused_attention) {
   register_module("c_attn", c_attn);
   register_module("c_proj", c_proj);
   register_module("attn_dropout", attn_dropout);
@@ -90,17 +90,22 @@ GptAttentionImpl::GptAttentionImpl(const GptConfig& c, Communicator* tp)
 torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   const auto b = x.size(0), t = x.size(1), hd = head_dim;
   auto qkv = c_attn(x).view({b, t, 3, n_head, hd}).permute({2, 0, 3, 1, 4});  // [3, b, h, t, hd]
-  auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  auto causal = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
-  scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-  auto probs = torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type());
   // When this rank holds some of the heads, their dropout mask is its own, not the tp group's.
   std::optional<TensorParallelRng> split_rng;
   if (n_head * hd < x.size(-1)) split_rng.emplace(x.device());
-  probs = attn_dropout(probs);
+  torch::Tensor y;
+  if (fused) {
+    const double p = is_training() ? attn_dropout->options.p() : 0.0;
+    y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, p, /*is_causal=*/true);
+  } else {
+    auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+    auto causal = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
+    scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
+    auto probs = torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type());
+    y = torch::matmul(attn_dropout(probs), qkv[2]);
+  }
   split_rng.reset();
-  auto y = torch::matmul(probs, qkv[2]).transpose(1, 2).reshape({b, t, n_head * hd});
-  return resid_dropout(c_proj(y));
+  return resid_dropout(c_proj(y.transpose(1, 2).reshape({b, t, n_head * hd})));
 }
 
 GptMlpImpl::GptMlpImpl(const GptConfig& c, Communicator* tp)

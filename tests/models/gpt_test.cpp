@@ -136,6 +136,48 @@ TEST(Gpt, Bf16WithFp32MastersTracksFp32) {
   for (int s = 0; s < 100; ++s) EXPECT_NEAR(losses[1][s], losses[0][s], 2e-2 * losses[0][s]) << "step " << s;
 }
 
+// The fused attention (scaled_dot_product_attention) computes the eager product, causal mask
+// and softmax: the same loss and gradients up to rounding.
+TEST(Gpt, FusedAttentionComputesTheEagerAttention) {
+  auto tokens = torch::randint(kConfig.vocab_size, {3, 13}, at::detail::createCPUGenerator(5), torch::kLong);
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    std::vector<double> losses;
+    std::vector<torch::Tensor> grads;
+    for (bool fused : {false, true}) {
+      auto c = kConfig;
+      c.dtype = dtype;
+      c.fused_attention = fused;
+      Gpt model(c, {.zero_level = 0});
+      init_parameters(*model, {.seed = 2, .init = models::gpt_init(c)});
+      auto loss = model->loss(tokens);
+      loss.backward();
+      losses.push_back(loss.item<double>());
+      grads.push_back(model->parameters()[2].grad().to(torch::kFloat64).clone());  // block 0's
+    }
+    const double tol = dtype == torch::kFloat32 ? 1e-5 : 2e-2;
+    EXPECT_NEAR(losses[1], losses[0], tol * losses[0]) << dtype;
+    EXPECT_LT((grads[1] - grads[0]).norm().item<double>(), tol * grads[0].norm().item<double>()) << dtype;
+  }
+}
+
+// With attention dropout, recomputation replays the fused kernel's masks: the gradients of a
+// recomputed model are those of a stored one, bit for bit.
+TEST(Gpt, FusedAttentionDropoutReplaysUnderRecomputation) {
+  auto tokens = torch::randint(kConfig.vocab_size, {3, 13}, at::detail::createCPUGenerator(6), torch::kLong);
+  auto c = kConfig;
+  c.dropout = 0.3;
+  std::vector<torch::Tensor> grads;
+  for (bool recompute : {false, true}) {
+    Gpt model(c, {.zero_level = 0, .use_checkpoint = recompute});
+    init_parameters(*model, {.seed = 2, .init = models::gpt_init(c)});
+    model->train();
+    torch::manual_seed(11);
+    model->loss(tokens).backward();
+    grads.push_back(model->parameters()[2].grad().clone());
+  }
+  EXPECT_TRUE(torch::equal(grads[0], grads[1])) << "recomputation drew other attention dropout masks";
+}
+
 TEST(Gpt, BadConfigurationsAreRejected) {
   EXPECT_NE(error_message([] { Gpt(GptConfig{.d_model = 30, .n_head = 4}); }).find("multiple of n_head"), std::string::npos);
   EXPECT_NE(error_message([] { GptConfig::preset("huge"); }).find("tiny"), std::string::npos);

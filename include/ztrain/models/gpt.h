@@ -61,6 +61,11 @@ struct GptConfig {
   double layer_norm_eps = 1e-5;
   /// The parameters' and activations' dtype: fp32 or bf16 (optimizers keep fp32 masters).
   c10::ScalarType dtype = c10::ScalarType::Float;
+  /// Attention through libtorch's fused scaled_dot_product_attention (flash or memory-efficient
+  /// kernels where the device and dtype have one: the score matrix is never materialised), or,
+  /// when false, the eager product, softmax and product (the form a reference writes out).
+  /// The same arithmetic up to float rounding; not stored in model files.
+  bool fused_attention = true;
 
   /// "tiny", "small", "medium", "gpt2" (124M: vocab 50257, context 1024, 12 × 768, 12 heads).
   static GptConfig preset(const std::string& name);
@@ -85,6 +90,7 @@ struct GptAttentionImpl : torch::nn::Module {
   tp::ColumnParallelLinear c_attn;
   tp::RowParallelLinear c_proj;
   torch::nn::Dropout attn_dropout, resid_dropout;
+  bool fused;  // GptConfig::fused_attention
 };
 TORCH_MODULE(GptAttention);
 
