@@ -121,6 +121,14 @@ int resolve_threads(const InitOptions& o, int local_size) {
   return std::max(1, usable_cores() / local_size);
 }
 
+void finalize_at_exit() {
+  try {
+    finalize_distributed();
+  } catch (const std::exception& e) {
+    std::cerr << "ztrain: finalizing the runtime at exit: " << e.what() << std::endl;
+  }
+}
+
 }  // namespace
 
 Runtime::Runtime(const InitOptions& options)
@@ -168,6 +176,14 @@ Runtime& init_distributed(const InitOptions& options) {
   // A rejected configuration throws from here and leaves the backend up, so a corrected call
   // can follow.
   g_runtime.reset(new Runtime(options));
+  if (!g_runtime->device().is_cpu()) {
+    // A device runtime (CUDA) registers its teardown at exit when first used, which is after
+    // this library's statics were made, so it would run before g_runtime's destructor and leave
+    // the runtime's events, streams and NCCL communicators nothing to be destroyed by. An exit
+    // handler registered now, after the device is in use, finalizes ztrain before that.
+    static std::once_flag at_exit;
+    std::call_once(at_exit, [] { std::atexit(finalize_at_exit); });
+  }
   return *g_runtime;
 }
 
