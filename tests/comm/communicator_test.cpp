@@ -25,12 +25,22 @@ torch::Device device() { return ztrain::runtime().device(); }
 // exact in every dtype, so sum, max and min must match bit for bit whatever order the
 // transport reduces in.
 // `offset` starts the pattern part-way, so a slice of a long input can be rebuilt on its own.
+// The pattern repeats every kPeriod elements (i * 7 % 16 every 16, i * i % 5 every 5), so inputs
+// and references are one period, tiled: every rank builds every rank's input for its reference,
+// which at 1 << 20 elements and four ranks would otherwise outweigh the collectives tested.
+constexpr int64_t kPeriod = 80;
+
+torch::Tensor tiled(const torch::Tensor& period, int64_t n, int64_t offset) {
+  const int64_t start = offset % kPeriod;
+  return period.repeat({(start + n) / kPeriod + 1}).narrow(0, start, n).contiguous();
+}
+
 torch::Tensor input_of(int rank, c10::ScalarType dtype, int64_t n, int64_t offset = 0) {
-  auto i = torch::arange(offset, offset + n, torch::kInt64);
+  auto i = torch::arange(kPeriod, torch::kInt64);
   auto v = (i * 7 + rank * 13 + (i * i) % 5) % 16;
-  if (dtype == torch::kBool) return ((v + rank) % 3 == 0);
+  if (dtype == torch::kBool) return tiled((v + rank) % 3 == 0, n, offset);
   if (dtype != torch::kUInt8) v = v - 8;
-  return v.to(dtype);
+  return tiled(v.to(dtype), n, offset);
 }
 
 // Random values for the rounding tests of 16-bit floats.
@@ -42,6 +52,9 @@ torch::Tensor random_of(int rank, c10::ScalarType dtype, int64_t n, int64_t = 0)
 torch::Tensor reference_reduce(c10::ScalarType dtype, int64_t n, ReduceOp op, int size,
                                torch::Tensor (*make)(int, c10::ScalarType, int64_t, int64_t) = input_of,
                                int64_t offset = 0) {
+  if (make == input_of && n > kPeriod) {  // elementwise over periodic inputs: periodic
+    return tiled(reference_reduce(dtype, kPeriod, op, size, input_of, 0), n, offset);
+  }
   auto acc = make(0, dtype, n, offset).to(torch::kFloat64);
   for (int r = 1; r < size; ++r) {
     auto x = make(r, dtype, n, offset).to(torch::kFloat64);

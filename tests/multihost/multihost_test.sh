@@ -70,11 +70,13 @@ for ((t = 0; t < 300; ++t)); do  # up to 60 s for all four errors
   sleep 0.2
 done
 hosts_mend 1
-for ((w = 0; w < 300; ++w)); do kill -0 "$job" 2>/dev/null || break; sleep 0.2; done
-if ((w < 300)); then
+# What is tested is the ranks' errors; mpirun itself, whose daemons lost their connection with
+# the link, may keep waiting for them: it gets 10 s.
+for ((w = 0; w < 50; ++w)); do kill -0 "$job" 2>/dev/null || break; sleep 0.2; done
+if ((w < 50)); then
   echo "multihost_test: mpirun ended within $(( (w + 4) / 5 )) s of the link coming back"
 else
-  echo "multihost_test: mpirun still ran 60 s after the link came back; killed"
+  echo "multihost_test: mpirun still ran 10 s after the link came back; killed"
   kill -9 "$job" 2>/dev/null
 fi
 wait "$job" 2>/dev/null
@@ -86,7 +88,7 @@ for r in 0 1 2 3; do
   fi
   after=$(awk -v a="${line%% *}" -v b="$cut_at" 'BEGIN { printf "%.1f", a - b }')
   echo "multihost_test: rank $r failed $after s after the cut: ${line#* }"
-  grep -Eq "(timed out after|within) 5 s" <<<"$line" || { echo "multihost_test: rank $r's error does not name the deadline"; status=1; }
+  grep -Eq "(after|within) 5 s" <<<"$line" || { echo "multihost_test: rank $r's error does not name the deadline"; status=1; }
   awk -v s="$after" 'BEGIN { exit !(s <= 15) }' || { echo "multihost_test: rank $r took more than 3 deadlines"; status=1; }
 done
 ((status == 0)) || fail "the link cut"
