@@ -190,8 +190,14 @@ torch::Tensor HybridParallel::execute_pipeline(const std::vector<std::vector<tor
   ZTRAIN_CHECK(inner_, "HybridParallel: boost() first");
   ZTRAIN_CHECK(pipeline_, "HybridParallel: execute_pipeline needs pp_size > 1; with one stage compute the loss "
                "with the model and call Booster::backward");
+  // The schedule turns the dp reduction off for all but each stage's last backward; whatever
+  // happens in it, the plugin underneath is left as no_sync() had it.
+  struct RestoreSync {
+    Plugin& inner;
+    bool on;
+    ~RestoreSync() { inner.set_gradient_sync(on); }
+  } restore{*inner_, sync_};
   auto loss = pipeline_->forward_backward_step(micro_batches, loss_scale);
-  inner_->set_gradient_sync(sync_);
   return sum_loss(loss, context_.get());
 }
 

@@ -190,7 +190,8 @@ TEST(HybridParallel, FilesLoadUnderOtherPluginsAndLayouts) {
 TEST(HybridParallel, AStagedCheckpointLoadsUnderDataParallelAloneAndFullyShard) {
   // Saved at tp 2 × pp 2 (pp 2 at two ranks) under ZeRO-1; loaded by the last rank alone under
   // DataParallel and by the others together under FullyShard (3 ranks at four), each on a
-  // context of its own: the parameters are identical.
+  // context of its own: the parameters are identical, and the optimizer state each loads is what
+  // the stages saved (written again from there, the same tensors under the same names).
   const auto family = llama_family();
   const auto dir = shared_temp_dir("hybrid_staged");
   if (runtime().rank() == 0) std::filesystem::create_directories(dir);
@@ -199,6 +200,7 @@ TEST(HybridParallel, AStagedCheckpointLoadsUnderDataParallelAloneAndFullyShard) 
   for (int step = 0; step < 3; ++step) staged.step(global_batch(step, family.vocab));
   const auto saved = staged.params();
   staged.booster->save_model(dir + "/model.safetensors");
+  staged.booster->save_optimizer(dir + "/optimizer.safetensors");
 
   const bool alone = runtime().rank() == world_size() - 1;
   auto own = default_context().split(alone ? 1 : 0, {.name = alone ? "alone" : "others"});
@@ -212,6 +214,22 @@ TEST(HybridParallel, AStagedCheckpointLoadsUnderDataParallelAloneAndFullyShard) 
   other.booster->load_model(dir + "/model.safetensors");
   EXPECT_EQ(other.params().size(), saved.size());
   for (const auto& [key, value] : other.params()) EXPECT_TRUE(tensors_equal(value, saved.at(key))) << key;
+  other.booster->load_optimizer(dir + "/optimizer.safetensors");
+  const auto again = dir + (alone ? "/alone.safetensors" : "/others.safetensors");
+  other.booster->save_optimizer(again);
+  runtime().world().barrier();
+  if (runtime().rank() == 0) {
+    const auto original = ckpt::load_safetensors(dir + "/optimizer.safetensors");
+    ASSERT_FALSE(original.empty());
+    for (const auto* name : {"/alone.safetensors", "/others.safetensors"}) {
+      std::map<std::string, torch::Tensor> written;
+      for (const auto& [key, value] : ckpt::load_safetensors(dir + name)) written.emplace(key, value);
+      EXPECT_EQ(written.size(), original.size()) << name;
+      for (const auto& [key, value] : original) {
+        EXPECT_TRUE(written.count(key) && torch::equal(written.at(key), value)) << name << " " << key;
+      }
+    }
+  }
   runtime().world().barrier();
   if (runtime().rank() == 0) std::filesystem::remove_all(dir);
 }
