@@ -28,6 +28,7 @@ hosts_mpirun 2 -- "$hier" || fail "collectives across hosts (ranks in host order
 hosts_mpirun 2 --map-by node -- "$hier" --gtest_filter=-*Link* || fail "collectives across hosts (round-robin ranks)"
 ZTRAIN_HIERARCHICAL=0 hosts_mpirun 2 -x ZTRAIN_HIERARCHICAL -- "$hier" || fail "flat collectives across hosts"
 unset ZTRAIN_TEST_HOSTS ZTRAIN_TEST_WORLD_SIZE ZTRAIN_TEST_LINK
+echo "multihost_test: collectives done at ${SECONDS} s"
 
 # 2. Parity: the losses of every step on 2 hosts equal those on one host.
 common=(--data "$work/corpus.txt" --preset tiny --seq 32 --batch 2 --steps 6 --eval-interval 0 --warmup 2)
@@ -44,7 +45,7 @@ for i in "${!configs[@]}"; do
     --out "$work/two-$i" > "$work/two-$i.log" 2>&1 || { cat "$work/two-$i.log"; fail "two hosts: ${configs[$i]}"; }
   worst=$(paste <(losses "$work/one-$i") <(losses "$work/two-$i") |
           awk '{ d = $1 - $2; d = d < 0 ? -d : d; if (d > w) w = d; n++ } END { if (n != 6) print "missing"; else print w + 0 }')
-  echo "multihost_test: ${configs[$i]}: largest loss difference, 2 hosts vs 1: $worst"
+  echo "multihost_test: ${configs[$i]}: largest loss difference, 2 hosts vs 1: $worst (at ${SECONDS} s)"
   [[ $worst != missing ]] && awk -v w="$worst" 'BEGIN { exit !(w <= 1e-5) }' ||
     fail "${configs[$i]}: 2 hosts differ from 1 ($worst)"
 done
@@ -64,6 +65,7 @@ for ((t = 0; t < 600; ++t)); do  # up to 120 s for step 12's checkpoint
 done
 ((t < 600)) || { kill "$job"; cat "$work/cut.log" "$stamps"/*; fail "no checkpoint at step 12 within 120 s"; }
 cut_at=$(date +%s.%N)
+echo "multihost_test: the link cut at ${SECONDS} s"
 hosts_cut 1
 for ((t = 0; t < 300; ++t)); do  # up to 60 s for all four errors
   (($(cat "$stamps"/rank-*.log | grep -c "ztrain-gpt: ztrain: ") >= 4)) && break
@@ -95,4 +97,4 @@ done
 latest=$work/cut-run/checkpoints/$(cat "$work/cut-run/checkpoints/latest")
 "$gpt" eval --model "$latest" --data "$work/corpus.txt" --seq 32 --eval-batches 2 | tee "$work/eval.log"
 grep -q '^val_loss=' "$work/eval.log" || fail "the last checkpoint before the cut ($latest) does not load"
-echo "multihost_test: OK"
+echo "multihost_test: OK (${SECONDS} s)"
