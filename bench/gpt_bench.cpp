@@ -225,7 +225,8 @@ int run(const Args& a) {
                "--plugin must be ddp, zero1, zero2 or fsdp, got ", a.plugin);
   ZTRAIN_CHECK(a.level >= 0 && a.level <= 3, "--level must be 0..3, got ", a.level);
   ZTRAIN_CHECK(a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be fp32 or bf16, got ", a.dtype);
-  ZTRAIN_CHECK(a.attention == "fused" || a.attention == "eager", "--attention must be fused or eager, got ", a.attention);
+  ZTRAIN_CHECK(a.attention == "fused" || a.attention == "eager", "--attention must be fused or eager, got ",
+               a.attention);
   const int steps = world.broadcast_object(a.steps, 0), warmup = world.broadcast_object(a.warmup, 0);
   ZTRAIN_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
 

@@ -114,7 +114,8 @@ class Transformer(torch.nn.Module):
         super().__init__()
         self.wte = torch.nn.Embedding(c["vocab"], c["d_model"])
         self.wpe = torch.nn.Embedding(c["context"], c["d_model"])
-        self.h = torch.nn.ModuleList(Block(c["d_model"], c["heads"], c.get("attention", "fused") == "fused") for _ in range(c["layers"]))
+        fused = c.get("attention", "fused") == "fused"
+        self.h = torch.nn.ModuleList(Block(c["d_model"], c["heads"], fused) for _ in range(c["layers"]))
         self.ln_f = torch.nn.LayerNorm(c["d_model"], eps=1e-5)
 
 
