@@ -19,9 +19,14 @@ namespace {
 /// the head and loss on the last.
 class PolicyStage : public pipe::StageImpl {
  public:
-  PolicyStage(std::shared_ptr<torch::nn::Module> model, const PipelinePolicy& policy,
-              std::pair<int64_t, int64_t> layers, bool first, bool last)
-      : model_(std::move(model)), policy_(policy), layers_(layers), first_(first), last_(last) {}
+  /// `boosted`: the plugin's module holding what the optimizer updates (registered beside the
+  /// model, so that Pipeline::tie finds their records).
+  PolicyStage(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<torch::nn::Module> boosted,
+              const PipelinePolicy& policy, std::pair<int64_t, int64_t> layers, bool first, bool last)
+      : model_(register_module("model", std::move(model))), policy_(policy), layers_(layers), first_(first),
+        last_(last) {
+    if (boosted != model_) register_module("boosted", std::move(boosted));
+  }
 
   pipe::TensorList forward(const pipe::TensorList& inputs, const pipe::TensorList& micro_batch) override {
     auto x = first_ ? policy_.embed(*model_, micro_batch) : inputs;
@@ -43,6 +48,58 @@ std::shared_ptr<torch::nn::Module> find_module(torch::nn::Module& model, const s
     if (item.key() == path) return item.value();
   }
   return nullptr;
+}
+
+/// Puts `module` in place of the submodule at `path` (which must exist) in `model`; returns the
+/// one it replaced.
+std::shared_ptr<torch::nn::Module> replace(torch::nn::Module& model, const std::string& path,
+                                           std::shared_ptr<torch::nn::Module> module) {
+  auto old = find_module(model, path);
+  const auto dot = path.rfind('.');
+  const auto parent = dot == std::string::npos ? detail::shared_module(model) : find_module(model, path.substr(0, dot));
+  ZTRAIN_INTERNAL_ASSERT(old && parent, "replace: no module at '", path, "'");
+  parent->replace_module(path.substr(dot == std::string::npos ? 0 : dot + 1), std::move(module));
+  return old;
+}
+
+/// A module tied across pipeline stages, as a stage holds it in the model: the same parameter
+/// tensors under the same names, with the records that Pipeline::tie writes (how many copies a
+/// gradient norm counts). The model's own code goes on calling the original module.
+class TiedModule : public torch::nn::Module, public ParameterRecords {
+ public:
+  explicit TiedModule(torch::nn::Module& original) : torch::nn::Module("TiedModule") {
+    for (const auto& p : original.named_parameters(/*recurse=*/false)) {
+      register_parameter(p.key(), p.value(), p.value().requires_grad());
+    }
+  }
+};
+
+/// Moves `params` out of the optimizer's groups into groups of their own, one per group they
+/// came from, with its options: a ZeRO plugin lays each group out in flat buffers of its own,
+/// so the copies on two stages shard alike. Returns the new groups' indices.
+std::vector<size_t> isolate(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& params) {
+  std::unordered_set<const c10::TensorImpl*> moving;
+  for (const auto& p : params) moving.insert(p.unsafeGetTensorImpl());
+  std::vector<torch::optim::OptimizerParamGroup> fresh;
+  for (auto& group : optimizer.param_groups()) {
+    std::vector<torch::Tensor> taken;
+    auto& held = group.params();
+    for (auto it = held.begin(); it != held.end();) {
+      if (moving.count(it->unsafeGetTensorImpl())) {
+        taken.push_back(*it);
+        it = held.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (!taken.empty()) fresh.emplace_back(std::move(taken), group.options().clone());
+  }
+  std::vector<size_t> indices;
+  for (const auto& group : fresh) {
+    indices.push_back(optimizer.param_groups().size());
+    optimizer.add_param_group(group);
+  }
+  return indices;
 }
 
 }  // namespace
@@ -81,7 +138,7 @@ void HybridParallel::boost(torch::nn::Module& model, torch::optim::Optimizer& op
   split_tensor_parallel(model);
   if (options_.pp_size > 1) hold_stage(model, optimizer);
   boost_data_parallel(model, optimizer);
-  if (options_.pp_size > 1) build_pipeline(model);
+  if (options_.pp_size > 1) build_pipeline(model, optimizer);
 }
 
 void HybridParallel::split_tensor_parallel(torch::nn::Module& model) {
@@ -102,7 +159,8 @@ void HybridParallel::split_tensor_parallel(torch::nn::Module& model) {
   apply_tensor_parallel(model, options_.policy, context_->tp(), context_.get());
   bool split = false;
   for (const auto& p : recorded_parameters(model)) {
-    if (!p.record || !p.record->tp_distinct) continue;
+    // (A layer made to split over one rank is whole, whichever mesh's group it names.)
+    if (!p.record || !p.record->tp_distinct || !p.record->tp_group || p.record->tp_group->size() == 1) continue;
     split = true;
     ZTRAIN_CHECK(p.record->tp_group == &context_->tp(), "HybridParallel: parameter '", p.name, "' is split over ",
                  p.record->tp_group ? p.record->tp_group->size() : 1, " tensor-parallel ranks, not over the plugin's ",
@@ -134,10 +192,11 @@ void HybridParallel::boost_data_parallel(torch::nn::Module& model, torch::optim:
   inner_->boost(model, optimizer);
 }
 
-void HybridParallel::build_pipeline(torch::nn::Module& model) {
+void HybridParallel::build_pipeline(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   const int stage = context_->pp_rank();
-  auto chunk = std::make_shared<PolicyStage>(detail::shared_module(model), options_.policy.pipeline, held_, stage == 0,
-                                             stage == options_.pp_size - 1);
+  auto& boosted = inner_->boosted(model);
+  auto chunk = std::make_shared<PolicyStage>(detail::shared_module(model), detail::shared_module(boosted),
+                                             options_.policy.pipeline, held_, stage == 0, stage == options_.pp_size - 1);
   pipeline_ = std::make_unique<pipe::Pipeline>(
       std::vector<std::shared_ptr<pipe::StageImpl>>{chunk},
       pipe::PipelineOptions{.schedule = options_.schedule,
@@ -145,6 +204,28 @@ void HybridParallel::build_pipeline(torch::nn::Module& model) {
                             .context = context_,
                             // Gradients accumulate unreduced until the stage's last backward.
                             .before_backward = [this](bool last) { inner_->set_gradient_sync(sync_ && last); }});
+  // Each tied module: what the optimizer updates for it (the parameters at level 0, the shards
+  // of their own flat groups above), the k-th tensor of the first stage tied to the k-th of the
+  // last.
+  const auto& tied = options_.policy.pipeline.tied;
+  for (size_t t = 0; t < tied.size(); ++t) {
+    std::vector<torch::Tensor> local;
+    for (auto g : tied_groups_[t]) {
+      for (const auto& p : optimizer.param_groups().at(g).params()) local.push_back(p);
+    }
+    std::vector<int64_t> sizes;
+    for (const auto& p : local) sizes.push_back(p.numel());
+    const auto all = context_->pp().all_gather_bytes(
+        std::string_view(reinterpret_cast<const char*>(sizes.data()), sizes.size() * sizeof(int64_t)));
+    ZTRAIN_CHECK(all.back() == all.front(), "HybridParallel: the tied module '", tied[t], "' is laid out in ",
+                 all.front().size() / sizeof(int64_t), " tensors on the first stage and ",
+                 all.back().size() / sizeof(int64_t), " on the last, or with other sizes; the two must hold the same "
+                 "module");
+    for (size_t k = 0; k < all.front().size() / sizeof(int64_t); ++k) {
+      pipeline_->tie(c10::str(tied[t], "#", k), local.empty() ? std::vector<torch::Tensor>{}
+                                                               : std::vector<torch::Tensor>{local[k]});
+    }
+  }
 }
 
 void HybridParallel::hold_stage(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
@@ -158,21 +239,35 @@ void HybridParallel::hold_stage(torch::nn::Module& model, torch::optim::Optimize
   const int stage = context_->pp_rank();
   held_ = {bounds[stage], bounds[stage + 1]};
   list->hold(static_cast<size_t>(held_.first), static_cast<size_t>(held_.second));
+  const bool first = stage == 0, last = stage == options_.pp_size - 1;
+  auto check_end = [&](const std::string& path) {
+    ZTRAIN_CHECK(!path.empty() && find_module(model, path), "HybridParallel: policy '", options_.policy.name,
+                 "' names the stage end '", path, "', which is not a submodule of the model");
+  };
   // The ends this stage does not hold: let go of in the model, their tensors freed.
   std::vector<std::string> dropped;
-  if (stage != 0) dropped = policy.first_stage;
-  if (stage != options_.pp_size - 1) dropped.insert(dropped.end(), policy.last_stage.begin(), policy.last_stage.end());
+  if (!first) dropped = policy.first_stage;
+  if (!last) dropped.insert(dropped.end(), policy.last_stage.begin(), policy.last_stage.end());
+  if (!first && !last) dropped.insert(dropped.end(), policy.tied.begin(), policy.tied.end());
   for (const auto& path : dropped) {
-    const auto module = find_module(model, path);
-    ZTRAIN_CHECK(module && !path.empty(), "HybridParallel: policy '", options_.policy.name, "' names the stage end '",
-                 path, "', which is not a submodule of the model");
-    const auto dot = path.rfind('.');
-    const auto parent =
-        dot == std::string::npos ? detail::shared_module(model) : find_module(model, path.substr(0, dot));
-    parent->replace_module(path.substr(dot == std::string::npos ? 0 : dot + 1),
-                           std::make_shared<torch::nn::Module>("DroppedModule"));
+    check_end(path);
+    const auto module = replace(model, path, std::make_shared<torch::nn::Module>("DroppedModule"));
     torch::NoGradGuard no_grad;
     for (auto& p : module->parameters()) p.set_data(torch::empty({0}, p.options()));
+  }
+  // The tied ends it holds: under a TiedModule each, in optimizer groups of their own.
+  tied_groups_.assign(policy.tied.size(), {});
+  for (size_t t = 0; t < policy.tied.size() && (first || last); ++t) {
+    const auto& path = policy.tied[t];
+    check_end(path);
+    auto module = find_module(model, path);
+    ZTRAIN_CHECK(module->buffers().empty() &&
+                     module->parameters(/*recurse=*/true).size() == module->parameters(/*recurse=*/false).size(),
+                 "HybridParallel: policy '", options_.policy.name, "' ties module '", path,
+                 "', which holds buffers or submodules with parameters; tie modules that own their parameters "
+                 "directly (an embedding, a linear)");
+    replace(model, path, std::make_shared<TiedModule>(*module));
+    tied_groups_[t] = isolate(optimizer, module->parameters(/*recurse=*/false));
   }
   // The optimizer updates what the stage holds.
   std::unordered_set<const c10::TensorImpl*> held;

@@ -77,6 +77,21 @@ TEST(HybridParallel, PipelineStagesTrainAsOneProcess) {
   expect_same(train(family, hybrid(1, 3, true, 2, pipe::ScheduleKind::k1F1B, {0, 2, 2})), want);
 }
 
+TEST(HybridParallel, Gpt2StagesTieTheHeadToTheEmbedding) {
+  // GPT-2's head reuses the token embedding: at pp 2 (× dp 2 at four ranks) the first and the
+  // last stage keep a copy each, their gradients summed, and every ZeRO level trains as one
+  // process — with the gradient norm that the clipping uses counting the tied weight once.
+  const auto family = gpt2_family();
+  const auto want = train(family, nullptr);
+  for (int level = 0; level <= 3; ++level) {
+    SCOPED_TRACE("GPT-2 pp 2, zero " + std::to_string(level));
+    expect_same(train(family, std::make_shared<HybridParallel>(HybridParallelOptions{
+                                  .pp_size = 2, .zero_level = level, .policy = models::plain_gpt_policy(),
+                                  .bucket_bytes = 16 << 10})),
+                want);
+  }
+}
+
 TEST(HybridParallel, AStageHoldsItsLayersAndEndsAndReducesOncePerStep) {
   const auto family = llama_sgd();
   auto plugin = std::dynamic_pointer_cast<HybridParallel>(hybrid(1, 0, false, 2));

@@ -99,13 +99,17 @@ class HybridParallel : public Plugin {
   void hold_stage(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   /// The ZeRO level's plugin over the dp group.
   void boost_data_parallel(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
-  void build_pipeline(torch::nn::Module& model);
+  /// The pipeline over this rank's stage, its tied modules' copies tied to the other stage's.
+  void build_pipeline(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
 
   HybridParallelOptions options_;
   std::shared_ptr<ParallelContext> context_;
   std::shared_ptr<Plugin> inner_;
   std::pair<int64_t, int64_t> held_{0, 0};
   std::unique_ptr<pipe::Pipeline> pipeline_;
+  /// Per tied module of the policy: the optimizer groups its parameters were moved into (empty
+  /// on the stages between, which let go of it).
+  std::vector<std::vector<size_t>> tied_groups_;
   bool sync_ = true;  // outside no_sync
 };
 

@@ -25,9 +25,10 @@
 ///
 /// For pipeline stages the policy also says how the model's forward falls into pieces
 /// (PipelinePolicy, ColossalAI's held layers and per-family pipeline forwards): the LayerList
-/// the stages split, the modules only the first and the last stage hold, and the three pieces
-/// of the forward — the embedding, one layer, the head with the loss — as calls into the
-/// model. A stage holds its layers and ends only; it lets go of the rest.
+/// the stages split, the modules only the first and the last stage hold, those both hold as
+/// one (a head tied to the embedding), and the three pieces of the forward — the embedding,
+/// one layer, the head with the loss — as calls into the model. A stage holds its layers and
+/// ends only; it lets go of the rest.
 
 #include <ztrain/comm/communicator.h>
 #include <ztrain/runtime/parallel_context.h>
@@ -56,6 +57,12 @@ struct PipelinePolicy {
   /// The modules (paths) that only the first stage holds (embeddings), and only the last (the
   /// final norm, the head); every other stage lets go of them.
   std::vector<std::string> first_stage, last_stage;
+  /// The modules (paths) that the first and the last stage both hold and that are one module of
+  /// the model (GPT-2's token embedding, whose weight its head reuses): the two stages keep a
+  /// copy each, equal at the start, whose gradients are summed across them before the step, so
+  /// the copies step alike; the stages between let go of them. Each must own its parameters
+  /// directly (an embedding, a linear), not through submodules.
+  std::vector<std::string> tied;
   /// First stage: a micro-batch → what the first layer takes.
   std::function<TensorList(torch::nn::Module& model, const TensorList& micro_batch)> embed;
   /// Layer `index` of the list on the tensors flowing through the stages.

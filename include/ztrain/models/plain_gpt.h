@@ -57,9 +57,34 @@ TORCH_MODULE(PlainGpt);
 /// HybridParallel's policy for PlainGpt. Its blocks are made of ztrain::tp layers, which split
 /// at construction over the default context's tp group (build the model after
 /// init_distributed({.tp_size = t}) and give HybridParallel the same tp_size), so the policy
-/// names no layer; the embeddings and the tied head stay replicated. It has no pipeline part:
-/// the head is tied to the token embedding, and policies do not declare parameters shared
-/// across stages yet (models::GptPipeline runs GPT-2 in pipelines).
-inline Policy plain_gpt_policy() { return {.name = "gpt2"}; }
+/// names no layer; the embeddings and the tied head stay replicated. Pipeline stages share out
+/// transformer.h; the first holds the position embedding, the last the final LayerNorm, and
+/// both the token embedding, which the head reuses (a tied module: the two copies step alike).
+/// A micro-batch is {tokens [batch, seq + 1]}, as loss() takes.
+inline Policy plain_gpt_policy() {
+  auto gpt = [](torch::nn::Module& m) -> PlainTransformerImpl& {
+    return *dynamic_cast<PlainGptImpl&>(m).transformer;
+  };
+  PipelinePolicy pipeline{
+      .layers = "transformer.h",
+      .first_stage = {"transformer.wpe"},
+      .last_stage = {"transformer.ln_f"},
+      .tied = {"transformer.wte"},
+      .embed = [gpt](torch::nn::Module& m, const TensorList& mb) -> TensorList {
+        auto& tr = gpt(m);
+        const auto tokens = mb.at(0).slice(1, 0, -1);
+        return {tr.wte(tokens) + tr.wpe(torch::arange(tokens.size(1), tokens.options()))};
+      },
+      .layer = [gpt](torch::nn::Module& m, int64_t i, const TensorList& x) -> TensorList {
+        return {(*gpt(m).h)[static_cast<size_t>(i)](x.at(0))};
+      },
+      .loss = [gpt](torch::nn::Module& m, const TensorList& x, const TensorList& mb) {
+        auto& tr = gpt(m);
+        auto logits = torch::matmul(tr.ln_f(x.at(0)), tr.wte->weight.t());
+        return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
+                                                    mb.at(0).slice(1, 1).reshape(-1));
+      }};
+  return {.name = "gpt2", .pipeline = std::move(pipeline)};
+}
 
 }  // namespace ztrain::models
