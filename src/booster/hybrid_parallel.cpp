@@ -113,8 +113,10 @@ HybridParallel::HybridParallel(HybridParallelOptions options) : options_(std::mo
   ZTRAIN_CHECK(options_.pp_size == 1 || (pipeline && pipeline.embed && pipeline.layer && pipeline.loss),
                "HybridParallel: pp_size ", options_.pp_size, " with a policy ('", options_.policy.name,
                "') whose pipeline part does not name the layer list and its embed, layer and loss calls");
-  ZTRAIN_CHECK(options_.schedule != pipe::ScheduleKind::kInterleaved1F1B,
-               "HybridParallel: the interleaved schedule is not supported yet; use GPipe or 1F1B");
+  const bool interleaved = options_.schedule == pipe::ScheduleKind::kInterleaved1F1B;
+  ZTRAIN_CHECK(interleaved ? options_.chunks >= 2 : options_.chunks == 1, "HybridParallel: ", options_.chunks,
+               " model chunks per rank with the ", interleaved ? "interleaved" : "GPipe or 1F1B", " schedule; ",
+               interleaved ? "the interleaved schedule needs chunks >= 2" : "more than one needs the interleaved schedule");
 }
 
 HybridParallel::~HybridParallel() = default;
@@ -193,16 +195,22 @@ void HybridParallel::boost_data_parallel(torch::nn::Module& model, torch::optim:
 }
 
 void HybridParallel::build_pipeline(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
-  const int stage = context_->pp_rank();
+  const int stage = context_->pp_rank(), virtual_stages = options_.pp_size * options_.chunks;
   auto& boosted = inner_->boosted(model);
-  auto chunk = std::make_shared<PolicyStage>(detail::shared_module(model), detail::shared_module(boosted),
-                                             options_.policy.pipeline, held_, stage == 0, stage == options_.pp_size - 1);
+  std::vector<std::shared_ptr<pipe::StageImpl>> chunks;
+  for (int c = 0; c < options_.chunks; ++c) {
+    const int v = pipe::virtual_stage(stage, c, options_.pp_size);
+    chunks.push_back(std::make_shared<PolicyStage>(detail::shared_module(model), detail::shared_module(boosted),
+                                                   options_.policy.pipeline, held_[c], v == 0, v == virtual_stages - 1));
+  }
   pipeline_ = std::make_unique<pipe::Pipeline>(
-      std::vector<std::shared_ptr<pipe::StageImpl>>{chunk},
+      std::move(chunks),
       pipe::PipelineOptions{.schedule = options_.schedule,
                             .broadcast_loss = true,
                             .context = context_,
-                            // Gradients accumulate unreduced until the stage's last backward.
+                            // Gradients accumulate unreduced until each model chunk's last
+                            // backward (with several chunks, the ends' buckets are reduced in
+                            // each chunk's, the sums adding up to the step's).
                             .before_backward = [this](bool last) { inner_->set_gradient_sync(sync_ && last); }});
   // Each tied module: what the optimizer updates for it (the parameters at level 0, the shards
   // of their own flat groups above), the k-th tensor of the first stage tied to the k-th of the
@@ -234,11 +242,18 @@ void HybridParallel::hold_stage(torch::nn::Module& model, torch::optim::Optimize
   ZTRAIN_CHECK(list, "HybridParallel: policy '", options_.policy.name, "' names the layer list '", policy.layers,
                "', which is not a ztrain::LayerList of the model");
   const auto n = static_cast<int64_t>(list->size());
-  const auto bounds = options_.bounds.empty() ? pipe::partition_uniform(n, options_.pp_size)
-                                              : pipe::partition_explicit(options_.bounds, n, options_.pp_size);
+  const int parts = options_.pp_size * options_.chunks;
+  const auto bounds = options_.bounds.empty() ? pipe::partition_uniform(n, parts)
+                                              : pipe::partition_explicit(options_.bounds, n, parts);
   const int stage = context_->pp_rank();
-  held_ = {bounds[stage], bounds[stage + 1]};
-  list->hold(static_cast<size_t>(held_.first), static_cast<size_t>(held_.second));
+  held_.clear();
+  std::vector<std::pair<size_t, size_t>> ranges;
+  for (int c = 0; c < options_.chunks; ++c) {
+    const int v = pipe::virtual_stage(stage, c, options_.pp_size);
+    held_.emplace_back(bounds[v], bounds[v + 1]);
+    ranges.emplace_back(static_cast<size_t>(bounds[v]), static_cast<size_t>(bounds[v + 1]));
+  }
+  list->hold(ranges);
   const bool first = stage == 0, last = stage == options_.pp_size - 1;
   auto check_end = [&](const std::string& path) {
     ZTRAIN_CHECK(!path.empty() && find_module(model, path), "HybridParallel: policy '", options_.policy.name,

@@ -270,8 +270,8 @@ torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& mic
   }
   forward.post_next();
   backward.post_next();
-  int backwards_left = 0;
-  for (const auto& ins : list) backwards_left += ins.op == Op::kBackward;
+  std::vector<int> backwards_left(chunks_.size());  // per model chunk
+  for (const auto& ins : list) backwards_left[ins.chunk] += ins.op == Op::kBackward;
 
   for (const auto& ins : list) {
     const int c = ins.chunk, mb = ins.micro_batch, vs = virtual_stage_of(c);
@@ -301,7 +301,7 @@ torch::Tensor Pipeline::forward_backward_step(const std::vector<TensorList>& mic
         grads[k] = backward.take(ins);
         break;
       case Op::kBackward: {
-        if (options_.before_backward) options_.before_backward(--backwards_left == 0);
+        if (options_.before_backward) options_.before_backward(--backwards_left[ins.chunk] == 0);
         if (vs == last_virtual) {
           if (outputs[k][0].requires_grad()) (outputs[k][0] * (loss_scale / m)).backward();
         } else {

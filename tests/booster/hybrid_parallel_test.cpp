@@ -19,6 +19,7 @@ std::shared_ptr<Plugin> hybrid(int tp, int zero_level, bool use_checkpoint = fal
   return std::make_shared<HybridParallel>(HybridParallelOptions{.tp_size = tp,
                                                                 .pp_size = pp,
                                                                 .schedule = schedule,
+                                                                .chunks = schedule == pipe::ScheduleKind::kInterleaved1F1B ? 2 : 1,
                                                                 .bounds = std::move(bounds),
                                                                 .zero_level = zero_level,
                                                                 .policy = llama::policy(),
@@ -73,6 +74,10 @@ TEST(HybridParallel, PipelineStagesTrainAsOneProcess) {
     SCOPED_TRACE("pp 2, GPipe, zero 2");
     expect_same(train(family, hybrid(1, 2, false, 2, pipe::ScheduleKind::kGPipe)), want);
   }
+  for (int level : {1, 3}) {
+    SCOPED_TRACE("pp 2, interleaved over 2 chunks per rank, zero " + std::to_string(level));
+    expect_same(train(family, hybrid(1, level, false, 2, pipe::ScheduleKind::kInterleaved1F1B)), want);
+  }
   SCOPED_TRACE("pp 2, layers split {0, 2, 2}, zero 3 with recomputation");
   expect_same(train(family, hybrid(1, 3, true, 2, pipe::ScheduleKind::k1F1B, {0, 2, 2})), want);
 }
@@ -80,16 +85,21 @@ TEST(HybridParallel, PipelineStagesTrainAsOneProcess) {
 TEST(HybridParallel, Gpt2StagesTieTheHeadToTheEmbedding) {
   // GPT-2's head reuses the token embedding: at pp 2 (× dp 2 at four ranks) the first and the
   // last stage keep a copy each, their gradients summed, and every ZeRO level trains as one
-  // process — with the gradient norm that the clipping uses counting the tied weight once.
+  // process — with the gradient norm that the clipping uses counting the tied weight once; and
+  // with the interleaved schedule, where the copies sit in the first and the last model chunk.
   const auto family = gpt2_family();
   const auto want = train(family, nullptr);
+  auto gpt2 = [](int level, pipe::ScheduleKind schedule) {
+    return std::make_shared<HybridParallel>(HybridParallelOptions{
+        .pp_size = 2, .schedule = schedule, .chunks = schedule == pipe::ScheduleKind::kInterleaved1F1B ? 2 : 1,
+        .zero_level = level, .policy = models::plain_gpt_policy(), .bucket_bytes = 16 << 10});
+  };
   for (int level = 0; level <= 3; ++level) {
     SCOPED_TRACE("GPT-2 pp 2, zero " + std::to_string(level));
-    expect_same(train(family, std::make_shared<HybridParallel>(HybridParallelOptions{
-                                  .pp_size = 2, .zero_level = level, .policy = models::plain_gpt_policy(),
-                                  .bucket_bytes = 16 << 10})),
-                want);
+    expect_same(train(family, gpt2(level, pipe::ScheduleKind::k1F1B)), want);
   }
+  SCOPED_TRACE("GPT-2 pp 2, interleaved over 2 chunks per rank, zero 2");
+  expect_same(train(family, gpt2(2, pipe::ScheduleKind::kInterleaved1F1B)), want);
 }
 
 TEST(HybridParallel, AStageHoldsItsLayersAndEndsAndReducesOncePerStep) {
@@ -97,7 +107,8 @@ TEST(HybridParallel, AStageHoldsItsLayersAndEndsAndReducesOncePerStep) {
   auto plugin = std::dynamic_pointer_cast<HybridParallel>(hybrid(1, 0, false, 2));
   Trainee staged(family, 7, plugin);
   const int stage = plugin->context().pp_rank();
-  EXPECT_EQ(plugin->held_layers(), stage == 0 ? std::make_pair(int64_t{0}, int64_t{1}) : std::make_pair(int64_t{1}, int64_t{2}));
+  EXPECT_EQ(plugin->held_layers(), (std::vector<std::pair<int64_t, int64_t>>{stage == 0 ? std::make_pair(int64_t{0}, int64_t{1})
+                                                                                     : std::make_pair(int64_t{1}, int64_t{2})}));
   std::set<std::string> names;
   for (const auto& p : staged.model->named_parameters()) names.insert(p.key());
   EXPECT_EQ(names.count("tok_embeddings.weight"), stage == 0 ? 1u : 0u);

@@ -20,8 +20,10 @@
 /// Each rank feeds its dp rank's share of the batch, the same on every rank of a tp group
 /// (`plugin.context().dp()` says which); the loss is replicated across a tp group. With
 /// pp_size > 1 a step is Booster::execute_pipeline(micro_batches) in place of the model's
-/// forward and backward(): the micro-batches run through the stages by `schedule` (GPipe or
-/// 1F1B), the gradients are reduced over dp once, in each stage's last backward. The global
+/// forward and backward(): the micro-batches run through the stages by `schedule` (GPipe, 1F1B
+/// or interleaved 1F1B), the gradients are reduced over dp once, in each stage's last
+/// backward; modules the policy ties across stages (a head reusing the embedding) are kept on
+/// the first and last stage both, their gradients summed. The global
 /// gradient norm counts each split parameter once per slice and each replicated one once.
 /// Files are the usual ones and hold the full tensors: a model saved at tp 2 loads under any
 /// plugin, tp size or world size, and back.
@@ -53,10 +55,13 @@ struct HybridParallelOptions {
   int tp_size = 1;
   /// Pipeline stages; more than one needs the policy's pipeline part.
   int pp_size = 1;
-  /// The pipeline schedule: GPipe or 1F1B.
+  /// The pipeline schedule: GPipe, 1F1B, or interleaved 1F1B over `chunks` model chunks.
   pipe::ScheduleKind schedule = pipe::ScheduleKind::k1F1B;
-  /// Cut points of the policy's layer list into pp_size parts (pipe::partition_explicit);
-  /// empty: uniform, the first stages taking the extra layers.
+  /// Model chunks (virtual stages) per rank: 1, or at least 2 with the interleaved schedule,
+  /// where rank s holds the parts of virtual stages s, pp_size + s, ...
+  int chunks = 1;
+  /// Cut points of the policy's layer list into pp_size × chunks parts
+  /// (pipe::partition_explicit); empty: uniform, the first parts taking the extra layers.
   std::vector<int64_t> bounds;
   /// ZeRO over the dp group: 0 DataParallel, 1 and 2 LowLevelZero's stages, 3 FullyShard.
   int zero_level = 0;
@@ -88,8 +93,9 @@ class HybridParallel : public Plugin {
   ParallelContext& context();
   /// The data-parallel plugin underneath (DataParallel, LowLevelZero or FullyShard).
   Plugin& data_parallel();
-  /// With pipeline stages: the layers [first, last) of the policy's list this rank's stage holds.
-  std::pair<int64_t, int64_t> held_layers() const { return held_; }
+  /// With pipeline stages: the layers [first, last) of the policy's list this rank holds, one
+  /// range per model chunk.
+  const std::vector<std::pair<int64_t, int64_t>>& held_layers() const { return held_; }
   const HybridParallelOptions& options() const { return options_; }
 
  private:
@@ -105,7 +111,7 @@ class HybridParallel : public Plugin {
   HybridParallelOptions options_;
   std::shared_ptr<ParallelContext> context_;
   std::shared_ptr<Plugin> inner_;
-  std::pair<int64_t, int64_t> held_{0, 0};
+  std::vector<std::pair<int64_t, int64_t>> held_;
   std::unique_ptr<pipe::Pipeline> pipeline_;
   /// Per tied module of the policy: the optimizer groups its parameters were moved into (empty
   /// on the stages between, which let go of it).

@@ -182,8 +182,9 @@ struct PipelineOptions {
   /// The mesh whose pp group the stages span. Not set: the default context.
   std::shared_ptr<ParallelContext> context;
   /// Called before each backward this rank runs in forward_backward_step, with whether it is
-  /// this rank's last of the step (after it, the step's gradients are complete here): what a
-  /// data-parallel plugin needs to reduce gradients once per step rather than per micro-batch.
+  /// the last of its model chunk in the step (after it, that chunk's gradients are complete
+  /// here; with one chunk per rank, the rank's last): what a data-parallel plugin needs to
+  /// reduce gradients once per step rather than per micro-batch.
   std::function<void(bool last)> before_backward;
 };
 

@@ -22,11 +22,12 @@
 /// call goes through the Blocks, and `layer.module()` is still the user's layer. A layer's
 /// forward must be one a Block can wrap: tensors and other arguments in, a tensor, a tuple or
 /// pair of tensors, or a vector of tensors out (zero/block.h). hold() (HybridParallel calls it
-/// for a pipeline stage) keeps a contiguous part of the layers and lets go of the others.
+/// for a pipeline stage) keeps contiguous parts of the layers and lets go of the others.
 
 #include <ztrain/error.h>
 #include <ztrain/zero/block_list.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -39,11 +40,12 @@ class LayerListBase : public torch::nn::Module {
  public:
   /// The layers of the whole list, held or not.
   virtual size_t size() const = 0;
-  /// Keeps layers [first, last) and drops the others (a pipeline stage's share, before
-  /// shard()): each dropped layer's registration is replaced by an empty module, so
-  /// parameters(), files and shard() see the held layers only, under their indices in the whole
-  /// list, and the list lets go of the dropped ones. Calling a dropped layer throws.
-  virtual void hold(size_t first, size_t last) = 0;
+  /// Keeps the layers of the ranges [first, last) and drops the others (a pipeline stage's
+  /// share, before shard(); several ranges for an interleaved schedule's model chunks): each
+  /// dropped layer's registration is replaced by an empty module, so parameters(), files and
+  /// shard() see the held layers only, under their indices in the whole list, and the list lets
+  /// go of the dropped ones. Calling a dropped layer throws.
+  virtual void hold(const std::vector<std::pair<size_t, size_t>>& ranges) = 0;
   /// Whether layer i is held (every layer, unless hold() dropped some).
   virtual bool holds(size_t i) const = 0;
   /// Wraps every layer in a Block with `options`, its flat groups formed by `grouping`, in
@@ -98,12 +100,17 @@ class LayerListImpl : public LayerListBase {
     return x;
   }
 
-  void hold(size_t first, size_t last) override {
+  void hold(const std::vector<std::pair<size_t, size_t>>& ranges) override {
     ZTRAIN_CHECK(blocks_.empty(), "LayerList: hold() after shard()");
-    ZTRAIN_CHECK(first <= last && last <= layers_.size(), "LayerList: cannot hold layers [", first, ", ", last,
-                 ") of ", layers_.size());
+    for (const auto& [first, last] : ranges) {
+      ZTRAIN_CHECK(first <= last && last <= layers_.size(), "LayerList: cannot hold layers [", first, ", ", last,
+                   ") of ", layers_.size());
+    }
+    auto held = [&](size_t i) {
+      return std::any_of(ranges.begin(), ranges.end(), [i](const auto& r) { return i >= r.first && i < r.second; });
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
-      if ((i >= first && i < last) || layers_[i].is_empty()) continue;
+      if (held(i) || layers_[i].is_empty()) continue;
       replace_module(std::to_string(i), std::make_shared<torch::nn::Module>("DroppedLayer"));
       layers_[i] = M(nullptr);
     }
