@@ -41,7 +41,6 @@ using zt::gpt_app::Sampler;
 using zt::gpt_app::Tokenizer;
 using zt::models::Gpt;
 using zt::models::GptConfig;
-using zt::models::GptPipeline;
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
@@ -85,7 +84,7 @@ struct TrainArgs {
   uint64_t seed = 1234;
   int tp = 1;
   int pp = 1;
-  std::string plugin;  // empty: models::Gpt on the ZeRO engine; else the Booster's plugin
+  std::string plugin;  // empty: models::Gpt on the ZeRO engine (hybrid with --pp); else the Booster's plugin
   std::optional<int64_t> micro_batches;  // with pp: per step (default 2 × pp)
   int chunks = 2;                        // per rank, with the interleaved schedule
   bool offload = false;
@@ -305,8 +304,8 @@ Validation evaluate(torch::nn::Module& model, const std::function<torch::Tensor(
   return {nats / static_cast<double>(std::max<int64_t>(tokens, 1)), nats / static_cast<double>(std::max<int64_t>(bytes, 1))};
 }
 
-/// What train runs: Gpt, PlainGpt under a Booster plugin, or GptPipeline with several pipeline
-/// stages, behind one interface.
+/// What train runs: Gpt on the ZeRO engine, or PlainGpt under a Booster plugin (its pipeline
+/// stages with --pp), behind one interface.
 struct Trainee {
   std::shared_ptr<torch::nn::Module> module;
   /// A pipeline's forward and backward of one step's micro-batches through the manager's loss
@@ -340,38 +339,39 @@ std::shared_ptr<zt::Plugin> make_plugin(const TrainArgs& a) {
     return std::make_shared<zt::LowLevelZero>(zt::LowLevelZeroOptions{.stage = a.plugin == "zero1" ? 1 : 2});
   }
   if (a.plugin == "hybrid") {
-    return std::make_shared<zt::HybridParallel>(zt::HybridParallelOptions{.tp_size = a.tp,
-                                                                          .zero_level = a.model.zero_level,
-                                                                          .policy = zt::models::plain_gpt_policy(),
-                                                                          .use_checkpoint = a.model.recompute});
+    const auto schedule = zt::pipe::parse_schedule_kind(a.pipe_schedule);
+    return std::make_shared<zt::HybridParallel>(zt::HybridParallelOptions{
+        .tp_size = a.tp,
+        .pp_size = a.pp,
+        .schedule = schedule,
+        .chunks = schedule == zt::pipe::ScheduleKind::kInterleaved1F1B ? a.chunks : 1,
+        .zero_level = a.model.zero_level,
+        .policy = zt::models::plain_gpt_policy(),
+        .use_checkpoint = a.model.recompute});
   }
   return std::make_shared<zt::FullyShard>(zt::FullyShardOptions{.use_checkpoint = a.model.recompute});
 }
 
 Trainee make_trainee(const TrainArgs& a, const GptConfig& config) {
-  const zt::BlockOptions blocks{.zero_level = a.model.zero_level, .use_checkpoint = a.model.recompute};
-  if (a.pp == 1) {
-    Trainee t;
-    if (a.plugin.empty()) {
-      Gpt model(config, blocks);
-      t.module = model.ptr();
-      t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
-      t.hold = [model]() mutable { return std::make_shared<zt::NoGradientSync>(*model); };
-    } else {
-      zt::models::PlainGpt model(config);
-      t.module = model.ptr();
-      t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
-    }
-    return t;
+  Trainee t;
+  if (a.plugin.empty()) {
+    Gpt model(config, {.zero_level = a.model.zero_level, .use_checkpoint = a.model.recompute});
+    t.module = model.ptr();
+    t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
+    t.hold = [model]() mutable { return std::make_shared<zt::NoGradientSync>(*model); };
+  } else {
+    zt::models::PlainGpt model(config);
+    t.module = model.ptr();
+    t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
   }
-  const auto kind = zt::pipe::parse_schedule_kind(a.pipe_schedule);
-  GptPipeline model(config, blocks,
-                    {.schedule = kind, .chunks = kind == zt::pipe::ScheduleKind::kInterleaved1F1B ? a.chunks : 1});
-  return {model.ptr(),
-          [model](const std::vector<torch::Tensor>& micro_batches, zt::optim::OptimManager& mgr) mutable {
-            return model->forward_backward_step(micro_batches, mgr.loss_scale()).item<double>();
-          },
-          [model](const torch::Tensor& b) mutable { return model->loss({b}); }, nullptr};
+  return t;
+}
+
+/// Micro-batches as a pipeline takes them: {tokens} each.
+std::vector<std::vector<torch::Tensor>> as_lists(const std::vector<torch::Tensor>& micro_batches) {
+  std::vector<std::vector<torch::Tensor>> lists;
+  for (const auto& b : micro_batches) lists.push_back({b});
+  return lists;
 }
 
 /// The file name a tokenizer gets beside a trained model ("bytes" for none).
@@ -461,11 +461,9 @@ int train(TrainArgs a) {
   ZTRAIN_CHECK(a.pp > 1 || !a.micro_batches, "--micro-batches needs --pp > 1 (use --grad-accum without pipeline stages)");
   ZTRAIN_CHECK(a.pp == 1 || a.grad_accum == 1, "with --pp, a step's micro-batches are --micro-batches, not --grad-accum");
   ZTRAIN_CHECK(a.plugin.empty() || a.plugin == "hybrid" || (a.tp == 1 && a.pp == 1), "--plugin ", a.plugin,
-               " is data parallel only: --plugin hybrid takes --tp, and without --plugin --tp and --pp train on the "
+               " is data parallel only: --plugin hybrid takes --tp and --pp, and without --plugin --tp trains on the "
                "ZeRO engine");
-  ZTRAIN_CHECK(a.plugin != "hybrid" || a.pp == 1, "--plugin hybrid does not take --pp yet (GPT-2's head is tied to "
-               "its embedding, and policies do not declare parameters shared across stages yet); without --plugin, "
-               "--pp trains on the ZeRO engine");
+  if (a.pp > 1) a.plugin = "hybrid";  // pipeline stages are HybridParallel's
   auto& rt = start({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp}, a.where);
   const int dp = rt.dp().size();
   const auto tokenizer = zt::gpt_app::load_tokenizer(a.tokenizer);
@@ -491,6 +489,12 @@ int train(TrainArgs a) {
     booster.emplace(make_plugin(a), zt::BoosterOptions{.loss_scaler = scaler, .lr_scheduler = make_schedule(a)});
     booster->boost(model, *opt);
     trainee.hold = [&booster] { return std::make_shared<zt::Booster::NoSync>(booster->no_sync()); };
+    if (a.pp > 1) {
+      trainee.step = [&booster](const std::vector<torch::Tensor>& micro_batches, zt::optim::OptimManager&) {
+        return booster->execute_pipeline(as_lists(micro_batches)).item<double>();
+      };
+      trainee.loss = [&booster](const torch::Tensor& b) { return booster->evaluate_pipeline(as_lists({b})); };
+    }
   } else {
     own_manager.emplace(model, scaler);
     own_manager->add_optimizer(*opt, make_schedule(a));
@@ -837,7 +841,7 @@ int main(int argc, char** argv) {
                         "train the same GPT in plain modules through the Booster: ddp (DataParallel), zero1 or zero2 "
                         "(LowLevelZero stage 1 or 2), fsdp (FullyShard: ZeRO-3 per block, --recompute applies), "
                         "all in place of --zero-level and without --tp and --pp; or hybrid (HybridParallel: --tp "
-                        "ranks per block, ZeRO --zero-level over the rest, without --pp)")
+                        "ranks per block, --pp stages, ZeRO --zero-level over the rest; what --pp implies)")
       ->check(CLI::IsMember({"ddp", "zero1", "zero2", "fsdp", "hybrid"}));
   train_cmd->add_option("--micro-batches", t.micro_batches,
                         "with --pp: micro-batches of --batch sequences per step (default 2 x pp)");

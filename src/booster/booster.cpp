@@ -50,10 +50,20 @@ torch::Tensor Booster::execute_pipeline(const std::vector<std::vector<torch::Ten
   return plugin_->execute_pipeline(micro_batches, manager().loss_scale());
 }
 
+torch::Tensor Booster::evaluate_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches) {
+  return plugin_->evaluate_pipeline(micro_batches);
+}
+
 torch::Tensor Plugin::execute_pipeline(const std::vector<std::vector<torch::Tensor>>& /*micro_batches*/,
                                        double /*loss_scale*/) {
   ZTRAIN_CHECK(false, name(), " runs no pipeline stages; compute the loss with the model and call "
                "Booster::backward (HybridParallel with pp_size > 1 runs pipelines)");
+  return {};
+}
+
+torch::Tensor Plugin::evaluate_pipeline(const std::vector<std::vector<torch::Tensor>>& /*micro_batches*/) {
+  ZTRAIN_CHECK(false, name(), " runs no pipeline stages; compute the loss with the model (HybridParallel with "
+               "pp_size > 1 runs pipelines)");
   return {};
 }
 

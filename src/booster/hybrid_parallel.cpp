@@ -311,6 +311,13 @@ torch::Tensor HybridParallel::execute_pipeline(const std::vector<std::vector<tor
   return sum_loss(loss, context_.get());
 }
 
+torch::Tensor HybridParallel::evaluate_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches) {
+  ZTRAIN_CHECK(inner_, "HybridParallel: boost() first");
+  ZTRAIN_CHECK(pipeline_, "HybridParallel: evaluate_pipeline needs pp_size > 1; with one stage compute the loss "
+               "with the model");
+  return sum_loss(pipeline_->evaluate(micro_batches), context_.get());
+}
+
 torch::nn::Module& HybridParallel::boosted(torch::nn::Module& model) { return data_parallel().boosted(model); }
 
 void HybridParallel::set_gradient_sync(bool on) {

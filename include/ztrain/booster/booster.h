@@ -65,6 +65,9 @@ class Plugin {
   /// plugins without stages refuse: their steps are the model's forward and backward().
   virtual torch::Tensor execute_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches,
                                          double loss_scale);
+  /// The forward alone of micro-batches through the stages (evaluation, no gradients); returns
+  /// the mean loss on every rank. Refused as execute_pipeline is.
+  virtual torch::Tensor evaluate_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches);
 };
 
 /// What a plugin's gradient buckets did, for tests and logs.
@@ -104,6 +107,9 @@ class Booster {
   /// the plugin's schedule, gradients are reduced once, and the mean loss over the
   /// micro-batches and the data-parallel replicas is returned on every rank. Collective.
   torch::Tensor execute_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches);
+  /// The mean loss of micro-batches through the stages without gradients (evaluation), on every
+  /// rank, over the data-parallel replicas too. Collective.
+  torch::Tensor evaluate_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches);
   /// Clips (BoosterOptions::max_grad_norm), then applies the step unless some rank found an inf
   /// or NaN, and advances the schedule. Collective. Returns whether the step was applied.
   bool step();

@@ -88,6 +88,7 @@ class HybridParallel : public Plugin {
   void after_update() override;
   torch::Tensor execute_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches,
                                  double loss_scale) override;
+  torch::Tensor evaluate_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches) override;
 
   /// The dp × tp mesh the model lives on, after boost().
   ParallelContext& context();
