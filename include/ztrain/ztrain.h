@@ -23,7 +23,6 @@
 #include <ztrain/optim/adam.h>
 #include <ztrain/optim/adam_offload.h>
 #include <ztrain/models/gpt.h>
-#include <ztrain/models/gpt_pipeline.h>
 #include <ztrain/models/plain_gpt.h>
 #include <ztrain/optim/loss_scaler.h>
 #include <ztrain/optim/lr_scheduler.h>

@@ -136,6 +136,7 @@ void HybridParallel::boost(torch::nn::Module& model, torch::optim::Optimizer& op
     context_ = base.split(0, layout);
   }
   detail::check_optimizer_over(model, optimizer, name());
+  model_ = detail::shared_module(model);
   detail::move_to_device(model, optimizer, context_->device(), name());
   split_tensor_parallel(model);
   if (options_.pp_size > 1) hold_stage(model, optimizer);
@@ -307,6 +308,7 @@ torch::Tensor HybridParallel::execute_pipeline(const std::vector<std::vector<tor
     bool on;
     ~RestoreSync() { inner.set_gradient_sync(on); }
   } restore{*inner_, sync_};
+  check_micro_batches(micro_batches);
   auto loss = pipeline_->forward_backward_step(micro_batches, loss_scale);
   return sum_loss(loss, context_.get());
 }
@@ -315,7 +317,14 @@ torch::Tensor HybridParallel::evaluate_pipeline(const std::vector<std::vector<to
   ZTRAIN_CHECK(inner_, "HybridParallel: boost() first");
   ZTRAIN_CHECK(pipeline_, "HybridParallel: evaluate_pipeline needs pp_size > 1; with one stage compute the loss "
                "with the model");
+  check_micro_batches(micro_batches);
   return sum_loss(pipeline_->evaluate(micro_batches), context_.get());
+}
+
+void HybridParallel::check_micro_batches(const std::vector<std::vector<torch::Tensor>>& micro_batches) {
+  const auto& check = options_.policy.pipeline.check;
+  if (!check) return;
+  for (const auto& mb : micro_batches) check(*model_, mb);
 }
 
 torch::nn::Module& HybridParallel::boosted(torch::nn::Module& model) { return data_parallel().boosted(model); }

@@ -108,8 +108,11 @@ class HybridParallel : public Plugin {
   void boost_data_parallel(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   /// The pipeline over this rank's stage, its tied modules' copies tied to the other stage's.
   void build_pipeline(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  /// The policy's check of every micro-batch, on this rank (each rank checks all of them).
+  void check_micro_batches(const std::vector<std::vector<torch::Tensor>>& micro_batches);
 
   HybridParallelOptions options_;
+  std::shared_ptr<torch::nn::Module> model_;
   std::shared_ptr<ParallelContext> context_;
   std::shared_ptr<Plugin> inner_;
   std::vector<std::pair<int64_t, int64_t>> held_;

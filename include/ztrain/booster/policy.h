@@ -69,6 +69,10 @@ struct PipelinePolicy {
   std::function<TensorList(torch::nn::Module& model, int64_t index, const TensorList& x)> layer;
   /// Last stage: the last layer's output and the micro-batch → the micro-batch's mean loss.
   std::function<torch::Tensor(torch::nn::Module& model, const TensorList& x, const TensorList& micro_batch)> loss;
+  /// Checks a micro-batch (shapes, dtype, length), throwing ztrain::Error that says what is
+  /// wrong. Called on every rank before the stages run, so that a bad micro-batch fails on every
+  /// stage, not on one while the others wait for it. Optional.
+  std::function<void(torch::nn::Module& model, const TensorList& micro_batch)> check;
   /// Whether the policy describes a pipeline split at all.
   explicit operator bool() const { return !layers.empty(); }
 };

@@ -72,7 +72,7 @@ struct GptConfig {
   static std::vector<std::string> preset_names();
   /// Throws ztrain::Error naming the first invalid field, or a size that does not divide over
   /// `tp_size` tensor-parallel ranks (d_model and n_head must; Gpt pads the vocabulary to a
-  /// multiple of tp_size, GptPipeline needs it to divide).
+  /// multiple of tp_size).
   void validate(int tp_size = 1) const;
   /// Parameters (the tied head counted once).
   int64_t num_parameters() const;

@@ -33,7 +33,7 @@ struct PlainTransformerImpl : torch::nn::Module {
 TORCH_MODULE(PlainTransformer);
 
 struct PlainGptImpl : torch::nn::Module {
-  explicit PlainGptImpl(const GptConfig& c) : transformer(c) {
+  explicit PlainGptImpl(const GptConfig& c) : config(c), transformer(c) {
     register_module("transformer", transformer);
     to(c.dtype);
   }
@@ -50,6 +50,7 @@ struct PlainGptImpl : torch::nn::Module {
     return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
                                                 tokens.slice(1, 1).reshape(-1));
   }
+  GptConfig config;
   PlainTransformer transformer;
 };
 TORCH_MODULE(PlainGpt);
@@ -64,6 +65,16 @@ TORCH_MODULE(PlainGpt);
 inline Policy plain_gpt_policy() {
   auto gpt = [](torch::nn::Module& m) -> PlainTransformerImpl& {
     return *dynamic_cast<PlainGptImpl&>(m).transformer;
+  };
+  auto check = [](torch::nn::Module& m, const TensorList& mb) {
+    const auto& c = dynamic_cast<PlainGptImpl&>(m).config;
+    ZTRAIN_CHECK(mb.size() == 1 && mb[0].defined() && mb[0].dim() == 2 && mb[0].size(1) >= 2,
+                 "GPT pipeline: a micro-batch must be {tokens [batch, seq + 1]} with seq >= 1, got ",
+                 mb.size() == 1 && mb[0].defined() ? c10::str(mb[0].sizes()) : c10::str(mb.size(), " tensors"));
+    ZTRAIN_CHECK(!c10::isFloatingType(mb[0].scalar_type()), "GPT pipeline: tokens must be integer, got ",
+                 mb[0].scalar_type());
+    ZTRAIN_CHECK(mb[0].size(1) - 1 <= c.context, "GPT: sequence length ", mb[0].size(1) - 1, " exceeds the context ",
+                 c.context);
   };
   PipelinePolicy pipeline{
       .layers = "transformer.h",
@@ -83,7 +94,8 @@ inline Policy plain_gpt_policy() {
         auto logits = torch::matmul(tr.ln_f(x.at(0)), tr.wte->weight.t());
         return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
                                                     mb.at(0).slice(1, 1).reshape(-1));
-      }};
+      },
+      .check = check};
   return {.name = "gpt2", .pipeline = std::move(pipeline)};
 }
 
