@@ -248,13 +248,11 @@ void HybridParallel::hold_stage(torch::nn::Module& model, torch::optim::Optimize
                                               : pipe::partition_explicit(options_.bounds, n, parts);
   const int stage = context_->pp_rank();
   held_.clear();
-  std::vector<std::pair<size_t, size_t>> ranges;
   for (int c = 0; c < options_.chunks; ++c) {
     const int v = pipe::virtual_stage(stage, c, options_.pp_size);
     held_.emplace_back(bounds[v], bounds[v + 1]);
-    ranges.emplace_back(static_cast<size_t>(bounds[v]), static_cast<size_t>(bounds[v + 1]));
   }
-  list->hold(ranges);
+  list->hold({held_.begin(), held_.end()});
   const bool first = stage == 0, last = stage == options_.pp_size - 1;
   auto check_end = [&](const std::string& path) {
     ZTRAIN_CHECK(!path.empty() && find_module(model, path), "HybridParallel: policy '", options_.policy.name,

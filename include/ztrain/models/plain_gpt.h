@@ -39,14 +39,24 @@ struct PlainGptImpl : torch::nn::Module {
   }
   /// Logits [batch, seq, vocab] for tokens [batch, seq]; the head is the token embedding.
   torch::Tensor forward(const torch::Tensor& tokens) {
-    auto& tr = *transformer;
-    auto x = tr.wte(tokens) + tr.wpe(torch::arange(tokens.size(1), tokens.options()));
-    for (auto& block : *tr.h) x = block(x);
-    return torch::matmul(tr.ln_f(x), tr.wte->weight.t());
+    auto x = embed(tokens);
+    for (auto& block : *transformer->h) x = block(x);
+    return head(x);
   }
   /// Mean next-token cross-entropy over tokens [batch, seq + 1].
-  torch::Tensor loss(const torch::Tensor& tokens) {
-    auto logits = forward(tokens.slice(1, 0, -1));
+  torch::Tensor loss(const torch::Tensor& tokens) { return next_token_loss(forward(tokens.slice(1, 0, -1)), tokens); }
+  /// The pieces of forward (also a pipeline stage's ends): token plus position embedding of
+  /// tokens [batch, seq]; the final LayerNorm and the head (the token embedding) on hidden states.
+  torch::Tensor embed(const torch::Tensor& tokens) {
+    auto& tr = *transformer;
+    return tr.wte(tokens) + tr.wpe(torch::arange(tokens.size(1), tokens.options()));
+  }
+  torch::Tensor head(const torch::Tensor& x) {
+    auto& tr = *transformer;
+    return torch::matmul(tr.ln_f(x), tr.wte->weight.t());
+  }
+  /// Mean cross-entropy of logits [batch, seq, vocab] predicting tokens[:, 1:] of [batch, seq + 1].
+  static torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& tokens) {
     return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
                                                 tokens.slice(1, 1).reshape(-1));
   }
@@ -63,11 +73,9 @@ TORCH_MODULE(PlainGpt);
 /// both the token embedding, which the head reuses (a tied module: the two copies step alike).
 /// A micro-batch is {tokens [batch, seq + 1]}, as loss() takes.
 inline Policy plain_gpt_policy() {
-  auto gpt = [](torch::nn::Module& m) -> PlainTransformerImpl& {
-    return *dynamic_cast<PlainGptImpl&>(m).transformer;
-  };
-  auto check = [](torch::nn::Module& m, const TensorList& mb) {
-    const auto& c = dynamic_cast<PlainGptImpl&>(m).config;
+  auto gpt = [](torch::nn::Module& m) -> PlainGptImpl& { return dynamic_cast<PlainGptImpl&>(m); };
+  auto check = [gpt](torch::nn::Module& m, const TensorList& mb) {
+    const auto& c = gpt(m).config;
     ZTRAIN_CHECK(mb.size() == 1 && mb[0].defined() && mb[0].dim() == 2 && mb[0].size(1) >= 2,
                  "GPT pipeline: a micro-batch must be {tokens [batch, seq + 1]} with seq >= 1, got ",
                  mb.size() == 1 && mb[0].defined() ? c10::str(mb[0].sizes()) : c10::str(mb.size(), " tensors"));
@@ -82,18 +90,13 @@ inline Policy plain_gpt_policy() {
       .last_stage = {"transformer.ln_f"},
       .tied = {"transformer.wte"},
       .embed = [gpt](torch::nn::Module& m, const TensorList& mb) -> TensorList {
-        auto& tr = gpt(m);
-        const auto tokens = mb.at(0).slice(1, 0, -1);
-        return {tr.wte(tokens) + tr.wpe(torch::arange(tokens.size(1), tokens.options()))};
+        return {gpt(m).embed(mb.at(0).slice(1, 0, -1))};
       },
       .layer = [gpt](torch::nn::Module& m, int64_t i, const TensorList& x) -> TensorList {
-        return {(*gpt(m).h)[static_cast<size_t>(i)](x.at(0))};
+        return {(*gpt(m).transformer->h)[static_cast<size_t>(i)](x.at(0))};
       },
       .loss = [gpt](torch::nn::Module& m, const TensorList& x, const TensorList& mb) {
-        auto& tr = gpt(m);
-        auto logits = torch::matmul(tr.ln_f(x.at(0)), tr.wte->weight.t());
-        return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32),
-                                                    mb.at(0).slice(1, 1).reshape(-1));
+        return PlainGptImpl::next_token_loss(gpt(m).head(x.at(0)), mb.at(0));
       },
       .check = check};
   return {.name = "gpt2", .pipeline = std::move(pipeline)};
