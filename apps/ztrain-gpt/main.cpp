@@ -352,15 +352,19 @@ std::shared_ptr<zt::Plugin> make_plugin(const TrainArgs& a) {
   return std::make_shared<zt::FullyShard>(zt::FullyShardOptions{.use_checkpoint = a.model.recompute});
 }
 
-Trainee make_trainee(const TrainArgs& a, const GptConfig& config) {
+/// The model: the ZeRO engine's Gpt without a plugin, else PlainGpt — under HybridParallel made
+/// for this rank's pipeline stage (its blocks only).
+Trainee make_trainee(const TrainArgs& a, const GptConfig& config, zt::Plugin* plugin) {
   Trainee t;
-  if (a.plugin.empty()) {
+  if (!plugin) {
     Gpt model(config, {.zero_level = a.model.zero_level, .use_checkpoint = a.model.recompute});
     t.module = model.ptr();
     t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
     t.hold = [model]() mutable { return std::make_shared<zt::NoGradientSync>(*model); };
   } else {
-    zt::models::PlainGpt model(config);
+    auto* hybrid = dynamic_cast<zt::HybridParallel*>(plugin);
+    auto make = [&config] { return zt::models::PlainGpt(config); };
+    auto model = hybrid ? hybrid->build(make) : make();
     t.module = model.ptr();
     t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
   }
@@ -478,15 +482,16 @@ int train(TrainArgs a) {
   corpus.check_sequence_length(*a.seq);
   const auto byte_lengths = tokenizer->byte_lengths();
 
-  auto trainee = make_trainee(a, config);
+  const auto plugin = a.plugin.empty() ? nullptr : make_plugin(a);
+  auto trainee = make_trainee(a, config, plugin.get());
   auto& model = *trainee.module;
   zt::init_parameters(model, {.seed = a.seed, .init = zt::models::gpt_init(config)});
   auto opt = make_optimizer(a, model);
   const auto scaler = config.dtype == torch::kFloat16 ? zt::LossScaler::dynamic() : zt::LossScaler::off();
   std::optional<zt::Booster> booster;
   std::optional<zt::optim::OptimManager> own_manager;
-  if (!a.plugin.empty()) {
-    booster.emplace(make_plugin(a), zt::BoosterOptions{.loss_scaler = scaler, .lr_scheduler = make_schedule(a)});
+  if (plugin) {
+    booster.emplace(plugin, zt::BoosterOptions{.loss_scaler = scaler, .lr_scheduler = make_schedule(a)});
     booster->boost(model, *opt);
     trainee.hold = [&booster] { return std::make_shared<zt::Booster::NoSync>(booster->no_sync()); };
     if (a.pp > 1) {

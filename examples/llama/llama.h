@@ -115,11 +115,13 @@ TORCH_MODULE(DecoderLayer);
 
 struct LlamaImpl : torch::nn::Module {
   explicit LlamaImpl(const Config& c)
-      : config(c), tok_embeddings(c.vocab, c.dim), norm(c.dim, c.norm_eps),
+      : config(c), tok_embeddings(c.vocab, c.dim),
+        // Made with its size and a factory: under HybridParallel::build a pipeline stage makes
+        // only the layers it holds.
+        layers(static_cast<size_t>(c.layers), [&c](size_t) { return DecoderLayer(c); }), norm(c.dim, c.norm_eps),
         output(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)) {
     TORCH_CHECK(c.dim % c.heads == 0 && (c.dim / c.heads) % 2 == 0, "llama: dim / heads must be even");
     register_module("tok_embeddings", tok_embeddings);
-    for (int64_t i = 0; i < c.layers; ++i) layers->push_back(DecoderLayer(c));
     register_module("layers", layers);
     register_module("norm", norm);
     register_module("output", output);
@@ -193,7 +195,9 @@ inline ztrain::Policy policy() {
                 auto& model = llama(m);
                 TORCH_CHECK(model.config.heads % tp == 0, "llama: ", model.config.heads, " heads do not split over ",
                             tp, " tensor-parallel ranks");
-                for (auto& layer : *model.layers) layer.module()->attention->heads = model.config.heads / tp;
+                for (size_t i = 0; i < model.layers->size(); ++i) {  // the layers made here
+                  if (model.layers->holds(i)) (*model.layers)[i].module()->attention->heads = model.config.heads / tp;
+                }
               }};
 }
 

@@ -7,7 +7,8 @@
 // ZeRO-3 per decoder layer), hybrid (HybridParallel: --tp ranks split each layer and --pp
 // pipeline stages share out the layers as llama::policy() says, ZeRO --zero-level over the
 // rest). The model source is the same for every plugin; only the plugin line below differs,
-// and with pipeline stages the step, which runs micro-batches through the stages.
+// the model is made through HybridParallel::build (a stage makes its own layers only), and with
+// pipeline stages the step runs micro-batches through the stages.
 #include "llama.h"
 
 #include <ztrain/ztrain.h>
@@ -65,14 +66,19 @@ int main(int argc, char** argv) try {
   const auto corpus = torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, torch::kUInt8)
                           .to(torch::kLong);
 
-  llama::Llama model(config);
+  // Under HybridParallel with stages, each stage makes only the decoder layers it holds; the
+  // values then come by name (Llama's own rule: normal(0, 0.02) matrices, unit norms), the same
+  // whichever plugin and layout.
+  auto* hybrid = dynamic_cast<zt::HybridParallel*>(plugin.get());
+  auto make = [&config] { return llama::Llama(config); };
+  auto model = hybrid ? hybrid->build(make) : make();
+  zt::init_parameters(*model);
   const auto adam = zt::optim::AdamOptions(1e-3).betas({0.9, 0.95}).weight_decay(0.1);
   zt::optim::AdamW opt(zt::optim::weight_decay_groups(*model, adam), adam);
   zt::Booster booster(plugin, {.max_grad_norm = 1.0});
   booster.boost(*model, opt);  // the model moves to the rank's device; replicas start equal
 
   // Each data-parallel rank its own windows (the ranks of a tensor-parallel group the same).
-  auto* hybrid = dynamic_cast<zt::HybridParallel*>(plugin.get());
   auto& dp = hybrid ? hybrid->context().dp() : rt.dp();
   auto gen = at::detail::createCPUGenerator(1000 + dp.rank());
   for (int step = 0; step < steps; ++step) {

@@ -63,13 +63,16 @@ std::shared_ptr<torch::nn::Module> replace(torch::nn::Module& model, const std::
 }
 
 /// A module tied across pipeline stages, as a stage holds it in the model: the same parameter
-/// tensors under the same names, with the records that Pipeline::tie writes (how many copies a
-/// gradient norm counts). The model's own code goes on calling the original module.
+/// tensors under the same names, with the original's records (a split over tp) and those that
+/// Pipeline::tie writes (how many copies a gradient norm counts). The model's own code goes on
+/// calling the original module.
 class TiedModule : public torch::nn::Module, public ParameterRecords {
  public:
   explicit TiedModule(torch::nn::Module& original) : torch::nn::Module("TiedModule") {
+    const auto* records = dynamic_cast<const ParameterRecords*>(&original);
     for (const auto& p : original.named_parameters(/*recurse=*/false)) {
       register_parameter(p.key(), p.value(), p.value().requires_grad());
+      if (const auto* r = records ? records->find_record(p.key()) : nullptr) record(p.key()) = *r;
     }
   }
 };
@@ -123,6 +126,30 @@ HybridParallel::~HybridParallel() = default;
 
 void HybridParallel::boost(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   ZTRAIN_CHECK(!inner_, "HybridParallel: this plugin has boosted a model already; make one plugin per model");
+  mesh_context();
+  detail::check_optimizer_over(model, optimizer, name());
+  model_ = detail::shared_module(model);
+  // A model made in build() for this stage: the policy's list holds this stage's layers only,
+  // and no other list may have been cut.
+  bool by_stage = false;
+  for (const auto& item : model.named_modules()) {
+    auto* list = dynamic_cast<LayerListBase*>(item.value().get());
+    if (!list || !list->partial()) continue;
+    ZTRAIN_CHECK(options_.pp_size > 1 && item.key() == options_.policy.pipeline.layers, "HybridParallel: the layer "
+                 "list '", item.key(), "' was made for a pipeline stage (in build()), but it is not the layer list '",
+                 options_.policy.pipeline.layers, "' that policy '", options_.policy.name,
+                 "' has the stages share out; make the other lists without a size and factory (push_back)");
+    by_stage = true;
+  }
+  detail::move_to_device(model, optimizer, context_->device(), name());
+  split_tensor_parallel(model, by_stage);
+  if (options_.pp_size > 1) hold_stage(model, optimizer);
+  boost_data_parallel(model, optimizer);
+  if (options_.pp_size > 1) build_pipeline(model, optimizer);
+}
+
+ParallelContext& HybridParallel::mesh_context() {
+  if (context_) return *context_;
   auto& base = default_context();
   ZTRAIN_CHECK(base.world_size() % (options_.tp_size * options_.pp_size) == 0, "HybridParallel: tp_size ",
                options_.tp_size, " x pp_size ", options_.pp_size, " does not divide the ", base.world_size(), " ranks");
@@ -135,28 +162,39 @@ void HybridParallel::boost(torch::nn::Module& model, torch::optim::Optimizer& op
     layout.name = "hybrid";
     context_ = base.split(0, layout);
   }
-  detail::check_optimizer_over(model, optimizer, name());
-  model_ = detail::shared_module(model);
-  detail::move_to_device(model, optimizer, context_->device(), name());
-  split_tensor_parallel(model);
-  if (options_.pp_size > 1) hold_stage(model, optimizer);
-  boost_data_parallel(model, optimizer);
-  if (options_.pp_size > 1) build_pipeline(model, optimizer);
+  return *context_;
 }
 
-void HybridParallel::split_tensor_parallel(torch::nn::Module& model) {
-  // Every rank starts from rank 0's model, and splits the same full tensors; the slices of
-  // layers split at construction (ztrain::tp layers) come from the lowest rank with their tp
-  // rank.
-  detail::check_same_model(model, context_->world(), name());
+LayerListScope::Ranges HybridParallel::stage_layers(size_t size) {
+  const int parts = options_.pp_size * options_.chunks;
+  if (parts == 1) return {{0, size}};
+  const auto n = static_cast<int64_t>(size);
+  const auto bounds = options_.bounds.empty() ? pipe::partition_uniform(n, parts)
+                                              : pipe::partition_explicit(options_.bounds, n, parts);
+  const int stage = mesh_context().pp_rank();
+  LayerListScope::Ranges ranges;
+  for (int c = 0; c < options_.chunks; ++c) {
+    const int v = pipe::virtual_stage(stage, c, options_.pp_size);
+    ranges.emplace_back(static_cast<size_t>(bounds[v]), static_cast<size_t>(bounds[v + 1]));
+  }
+  return ranges;
+}
+
+void HybridParallel::split_tensor_parallel(torch::nn::Module& model, bool by_stage) {
+  // Every rank starts from rank 0's model (each stage's first rank's, for a model made for its
+  // stage), and splits the same full tensors; the slices of layers split at construction
+  // (ztrain::tp layers over several ranks) come from the lowest rank with their tp rank.
+  auto& same = by_stage ? context_->stage() : context_->world();
+  detail::check_same_model(model, same, name());
   std::vector<torch::Tensor> whole, slices;
   for (const auto& p : recorded_parameters(model)) {
-    (p.record && p.record->tp_distinct ? slices : whole).push_back(p.tensor);
+    const bool split = p.record && p.record->tp_distinct && p.record->tp_group && p.record->tp_group->size() > 1;
+    (split ? slices : whole).push_back(p.tensor);
   }
   for (const auto& b : model.buffers()) whole.push_back(b);
-  detail::broadcast_from_first(whole, context_->world());
+  detail::broadcast_from_first(whole, same);
   if (!slices.empty()) {  // alike on every rank: the same model
-    const auto same_tp_rank = context_->world().split(context_->tp_rank(), context_->rank(), "hybrid.tp_rank");
+    const auto same_tp_rank = same.split(context_->tp_rank(), context_->rank(), "hybrid.tp_rank");
     detail::broadcast_from_first(slices, *same_tp_rank);
   }
   apply_tensor_parallel(model, options_.policy, context_->tp(), context_.get());
@@ -242,17 +280,10 @@ void HybridParallel::hold_stage(torch::nn::Module& model, torch::optim::Optimize
   auto* list = dynamic_cast<LayerListBase*>(find_module(model, policy.layers).get());
   ZTRAIN_CHECK(list, "HybridParallel: policy '", options_.policy.name, "' names the layer list '", policy.layers,
                "', which is not a ztrain::LayerList of the model");
-  const auto n = static_cast<int64_t>(list->size());
-  const int parts = options_.pp_size * options_.chunks;
-  const auto bounds = options_.bounds.empty() ? pipe::partition_uniform(n, parts)
-                                              : pipe::partition_explicit(options_.bounds, n, parts);
+  const auto ranges = stage_layers(list->size());
+  held_.assign(ranges.begin(), ranges.end());
+  list->hold(ranges);
   const int stage = context_->pp_rank();
-  held_.clear();
-  for (int c = 0; c < options_.chunks; ++c) {
-    const int v = pipe::virtual_stage(stage, c, options_.pp_size);
-    held_.emplace_back(bounds[v], bounds[v + 1]);
-  }
-  list->hold({held_.begin(), held_.end()});
   const bool first = stage == 0, last = stage == options_.pp_size - 1;
   auto check_end = [&](const std::string& path) {
     ZTRAIN_CHECK(!path.empty() && find_module(model, path), "HybridParallel: policy '", options_.policy.name,
@@ -341,7 +372,7 @@ void HybridParallel::after_update() {
 }
 
 ParallelContext& HybridParallel::context() {
-  ZTRAIN_CHECK(context_, "HybridParallel: boost() first");
+  ZTRAIN_CHECK(context_, "HybridParallel: build() or boost() first");
   return *context_;
 }
 

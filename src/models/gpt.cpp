@@ -186,17 +186,27 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& tokens) {
   auto positions = torch::arange(t, tokens.options().dtype(torch::kLong));
   auto tok = tp_ ? tp::vocab_parallel_embedding(tokens, wte, tp_) : torch::embedding(wte, tokens);
   auto x = tr.drop(tok + torch::embedding(tr.wpe(), positions));
-  x = tr.ln_f(tr.h(x));
-  auto logits = torch::matmul(tp_ ? functional::copy_to_group(x, *tp_) : x, wte.t());
+  return tied_head_logits(tr.ln_f(tr.h(x)), wte, config_.vocab_size, tp_);
+}
+
+torch::Tensor tied_head_logits(const torch::Tensor& x, const torch::Tensor& wte, int64_t vocab_size, Communicator* tp) {
+  auto logits = torch::matmul(tp ? functional::copy_to_group(x, *tp) : x, wte.t());
   // The padding's rows of the vocabulary (the last rank's last ones) are no tokens: masked out
   // of the softmax.
   const int64_t local = wte.size(0);
-  const int64_t valid = tp_ ? std::max<int64_t>(config_.vocab_size - tp_->rank() * local, 0) : local;
+  const int64_t valid = tp ? std::max<int64_t>(vocab_size - tp->rank() * local, 0) : std::min(local, vocab_size);
   if (valid < local) {
     logits = logits.index_fill(-1, torch::arange(valid, local, logits.options().dtype(torch::kLong)),
                                -std::numeric_limits<float>::infinity());
   }
   return logits;
+}
+
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& tokens, Communicator* tp) {
+  auto flat = logits.reshape({-1, logits.size(-1)});
+  auto targets = tokens.slice(1, 1).reshape(-1);
+  if (tp) return tp::parallel_cross_entropy(flat, targets, {}, tp);
+  return torch::nn::functional::cross_entropy(flat.to(torch::kFloat32), targets);
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
@@ -208,11 +218,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
 torch::Tensor GptImpl::loss(const torch::Tensor& tokens) {
   ZTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) >= 2, "GPT loss: tokens must be [batch, seq + 1] with seq >= 1, got ",
                tokens.sizes());
-  auto logits = local_logits(tokens.slice(1, 0, -1));
-  auto flat = logits.reshape({-1, logits.size(-1)});
-  auto targets = tokens.slice(1, 1).reshape(-1);
-  if (tp_) return tp::parallel_cross_entropy(flat, targets, {}, tp_);
-  return torch::nn::functional::cross_entropy(flat.to(torch::kFloat32), targets);
+  return next_token_loss(local_logits(tokens.slice(1, 0, -1)), tokens, tp_);
 }
 
 ParameterInit gpt_init(const GptConfig& config) {

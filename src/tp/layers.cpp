@@ -3,6 +3,7 @@
 #include <ztrain/comm/functional.h>
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/tp/nn.h>
 
 #include <cmath>
 
@@ -42,6 +43,17 @@ torch::Tensor affine(const torch::Tensor& x, const torch::Tensor& w, const torch
   return (b.defined() ? torch::addmm(b, x2, w) : torch::mm(x2, w)).view(sizes);
 }
 
+/// Whether a layer over `current` is to be split over `group` (false: it is split over it
+/// already); refuses one split over another group of several ranks.
+bool resplit(Communicator*& current, Communicator& group, const char* layer) {
+  if (current == &group) return false;
+  ZTRAIN_CHECK(size_of(current) == 1, layer, ": built split over ", size_of(current),
+               " tensor-parallel ranks, it cannot be split again over another group of ", group.size(),
+               "; build it over one rank (whole) or over that group");
+  current = &group;
+  return true;
+}
+
 void check_features(const char* layer, int64_t in, int64_t out) {
   ZTRAIN_CHECK(in > 0 && out > 0, layer, ": in_features and out_features must be > 0, got ", in, " and ", out);
 }
@@ -72,6 +84,18 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
   return column_parallel_linear(x, weight, bias, options_, group_);
+}
+
+void ColumnParallelLinearImpl::parallelize(Communicator& group, ParallelContext* context) {
+  const auto& o = options_;
+  ZTRAIN_CHECK(o.out_features % (o.fused_parts * group.size()) == 0, "ColumnParallelLinear: out_features (",
+               o.out_features, ") is not divisible by fused_parts (", o.fused_parts, ") x the tensor-parallel size (",
+               group.size(), ")");
+  if (!resplit(group_, group, "ColumnParallelLinear")) return;
+  split_in_place(*this, "weight", weight, {.dim = o.layout == WeightLayout::kOutIn ? 0 : 1, .parts = o.fused_parts},
+                 group);
+  if (bias.defined()) split_in_place(*this, "bias", bias, {.dim = 0, .parts = o.fused_parts}, group);
+  if (context) nn::adopt_records(*this, *context);
 }
 
 torch::Tensor column_parallel_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
@@ -108,6 +132,14 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options, C
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   return row_parallel_linear(x, weight, bias, options_, group_);
+}
+
+void RowParallelLinearImpl::parallelize(Communicator& group, ParallelContext* context) {
+  ZTRAIN_CHECK(options_.in_features % group.size() == 0, "RowParallelLinear: in_features (", options_.in_features,
+               ") is not divisible by the tensor-parallel size (", group.size(), ")");
+  if (!resplit(group_, group, "RowParallelLinear")) return;
+  split_in_place(*this, "weight", weight, {.dim = options_.layout == WeightLayout::kOutIn ? 1 : 0}, group);
+  if (context) nn::adopt_records(*this, *context);
 }
 
 torch::Tensor row_parallel_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,

@@ -2,21 +2,13 @@
 
 #include <ztrain/error.h>
 #include <ztrain/tp/layers.h>
+#include <ztrain/tp/split.h>
 
 #include <cmath>
 
 namespace ztrain::nn {
 
 namespace {
-
-/// Replaces `param`'s values with this rank's slice of them, split `split` over `group`
-/// (the parameter object stays: optimizers and holders keep referring to it), and declares it.
-void split_in_place(ParameterRecords& owner, const std::string& name, torch::Tensor& param, TensorSplit split,
-                    Communicator& group) {
-  torch::NoGradGuard no_grad;
-  param.set_data(ztrain::slice(param, split, group.rank(), group.size()));
-  owner.declare_split(name, param, split, &group);
-}
 
 void check_once(const TpStyle& current, Communicator* group, const char* layer) {
   ZTRAIN_CHECK(group == nullptr && current.role == TpRole::kReplicated, layer,
@@ -99,13 +91,13 @@ void LinearImpl::parallelize(const TpStyle& style, Communicator& group, Parallel
       ZTRAIN_CHECK(style.fused_parts >= 1 && out % (style.fused_parts * tp) == 0, "ztrain::nn::Linear: ", out,
                    " output features do not split into ", style.fused_parts, " fused part(s) x ", tp,
                    " tensor-parallel ranks");
-      split_in_place(*this, "weight", weight, {.dim = 0, .parts = style.fused_parts}, group);
-      if (bias.defined()) split_in_place(*this, "bias", bias, {.dim = 0, .parts = style.fused_parts}, group);
+      tp::split_in_place(*this, "weight", weight, {.dim = 0, .parts = style.fused_parts}, group);
+      if (bias.defined()) tp::split_in_place(*this, "bias", bias, {.dim = 0, .parts = style.fused_parts}, group);
       break;
     case TpRole::kRow:
       ZTRAIN_CHECK(in % tp == 0, "ztrain::nn::Linear: ", in, " input features do not split over ", tp,
                    " tensor-parallel ranks");
-      split_in_place(*this, "weight", weight, {.dim = 1}, group);
+      tp::split_in_place(*this, "weight", weight, {.dim = 1}, group);
       break;
     case TpRole::kReplicated:
       break;
@@ -149,7 +141,7 @@ void EmbeddingImpl::parallelize(const TpStyle& style, Communicator& group, Paral
                "ztrain::nn::Embedding splits by vocabulary, not by ", role_name(style.role),
                " (that is a Linear's role)");
   if (style.role == TpRole::kVocab) {
-    split_in_place(*this, "weight", weight,
+    tp::split_in_place(*this, "weight", weight,
                    {.dim = 0, .padding = padding_for(options.num_embeddings(), group.size())}, group);
   }
   style_ = style;

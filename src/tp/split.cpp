@@ -9,6 +9,13 @@ void set_split(ParameterRecords& owner, const std::string& name, Split split, Co
   owner.declare_split(name, *param, split, group);
 }
 
+void split_in_place(ParameterRecords& owner, const std::string& name, torch::Tensor& param, Split split,
+                    Communicator& group) {
+  torch::NoGradGuard no_grad;
+  param.set_data(slice(param, split, group.rank(), group.size()));
+  owner.declare_split(name, param, split, &group);
+}
+
 std::optional<Split> split_of(const torch::nn::Module& module, const std::string& name) {
   const auto* r = record_of(module, name);
   return r ? r->tp_split : std::nullopt;

@@ -102,6 +102,121 @@ TEST(HybridParallel, Gpt2StagesTieTheHeadToTheEmbedding) {
   expect_same(train(family, gpt2(2, pipe::ScheduleKind::kInterleaved1F1B)), want);
 }
 
+TEST(HybridParallel, Gpt2SplitsOverTpThroughItsPolicy) {
+  // PlainGpt built whole (the default context has tp size 1): the GPT-2 policy splits its
+  // blocks' tp:: linears — the fused q, k, v by column, whole heads per rank — sets the heads
+  // per rank, and splits the token embedding and with it the tied head by vocabulary (63
+  // tokens: padded to 64); at tp 2 (× dp 2 at four ranks, or × pp 2, where the first and the
+  // last stage hold a split copy of the tied embedding each) it trains as one process.
+  auto family = gpt2_family();
+  family.vocab = 63;
+  family.build = [] {
+    models::GptConfig c;
+    c.vocab_size = 63, c.context = kSeq, c.d_model = 32, c.n_layer = 2, c.n_head = 4;
+    return models::PlainGpt(c).ptr();
+  };
+  const auto want = train(family, nullptr);
+  auto gpt2 = [](int tp, int level, int pp = 1) {
+    return std::make_shared<HybridParallel>(HybridParallelOptions{
+        .tp_size = tp, .pp_size = pp, .zero_level = level, .policy = models::plain_gpt_policy(), .bucket_bytes = 16 << 10});
+  };
+  for (int level : {0, 3}) {
+    SCOPED_TRACE("GPT-2 tp 2, zero " + std::to_string(level));
+    expect_same(train(family, gpt2(2, level)), want);
+  }
+  if (world_size() == 4) {
+    SCOPED_TRACE("GPT-2 tp 2 x pp 2, zero 1");
+    expect_same(train(family, gpt2(2, 1, 2)), want);
+  }
+  {  // the blocks and the token embedding hold their slices, the position embedding is whole;
+     // whatever each rank built, the slices are those of world rank 0's model
+    Trainee split(family, 7 + runtime().rank(), gpt2(2, 0));
+    torch::manual_seed(7);
+    const auto whole = family.build();
+    for (const auto& ref : named_parameter_refs(*split.model)) {
+      EXPECT_TRUE(full_parameter(ref).cpu().equal(whole->named_parameters()[ref.name])) << ref.name;
+    }
+    auto& gpt = dynamic_cast<models::PlainGptImpl&>(*split.model);
+    auto& block = (*gpt.transformer->h)[0].module();
+    EXPECT_EQ(block->attn->c_attn->weight.sizes(), (std::vector<int64_t>{32, 48}));  // [in, 3 x out / 2]
+    EXPECT_EQ(block->attn->c_proj->weight.sizes(), (std::vector<int64_t>{16, 32}));
+    EXPECT_EQ(block->attn->n_head, 2);
+    EXPECT_EQ(gpt.transformer->wte->weight.sizes(), (std::vector<int64_t>{32, 32}));  // 63 rows + 1 of padding
+    EXPECT_EQ(gpt.transformer->wpe->weight.sizes(), (std::vector<int64_t>{kSeq, 32}));
+    EXPECT_EQ(gpt.forward(torch::zeros({1, 4}, torch::kLong)).sizes(), (std::vector<int64_t>{1, 4, 63}));
+  }
+  // A head count the tp size does not divide is refused by name.
+  auto odd = gpt2_family();
+  odd.build = [] {
+    models::GptConfig c;
+    c.vocab_size = 64, c.context = kSeq, c.d_model = 48, c.n_layer = 2, c.n_head = 3;
+    return models::PlainGpt(c).ptr();
+  };
+  const auto msg = error_message([&] { Trainee t(odd, 7, gpt2(2, 0)); });
+  EXPECT_NE(msg.find("3 attention heads do not split over 2"), std::string::npos) << msg;
+}
+
+TEST(HybridParallel, AStageMadeInBuildMakesOnlyItsLayers) {
+  // A LayerList made with a size and a factory under a scope makes the layers it holds, no
+  // others, and cannot hold what it never made.
+  {
+    std::vector<size_t> made;
+    LayerListScope scope([](size_t size) { return LayerListScope::Ranges{{1, 3}, {4, size}}; });
+    LayerList<torch::nn::Linear> list(6, [&](size_t i) {
+      made.push_back(i);
+      return torch::nn::Linear(2, 2);
+    });
+    EXPECT_EQ(made, (std::vector<size_t>{1, 2, 4, 5}));
+    EXPECT_TRUE(list->partial());
+    EXPECT_EQ(list->size(), 6u);
+    EXPECT_EQ(list->parameters().size(), 8u);
+    const auto msg = error_message([&] { list->hold({{0, 2}}); });
+    EXPECT_NE(msg.find("layer 0 cannot be held"), std::string::npos) << msg;
+    list->hold({{1, 2}});  // what it made it can hold
+    EXPECT_EQ(list->parameters().size(), 2u);
+  }
+  LayerList<torch::nn::Linear> whole(3, [](size_t) { return torch::nn::Linear(2, 2); });  // no scope: every layer
+  EXPECT_FALSE(whole->partial());
+  EXPECT_EQ(whole->parameters().size(), 6u);
+
+  // GPT-2 at pp 2 (× dp 2 at four ranks), made in build() with its values given by name: before
+  // boost() each stage has its own blocks' parameters and no others, and every level trains as
+  // one process made whole.
+  auto by_stage = [](Family family) {
+    family.build = [build = family.build] {
+      auto model = build();
+      init_parameters(*model, {.seed = 3});
+      return model;
+    };
+    family.by_stage = true;
+    return family;
+  };
+  const auto family = by_stage(gpt2_family());
+  const auto want = train(family, nullptr);
+  auto gpt2 = [](int level, int chunks = 1) {
+    return std::make_shared<HybridParallel>(HybridParallelOptions{
+        .pp_size = 2, .schedule = chunks > 1 ? pipe::ScheduleKind::kInterleaved1F1B : pipe::ScheduleKind::k1F1B,
+        .chunks = chunks, .zero_level = level, .policy = models::plain_gpt_policy(), .bucket_bytes = 16 << 10});
+  };
+  {
+    auto plugin = gpt2(0);
+    const auto model = plugin->build(family.build);
+    const int stage = plugin->context().pp_rank();
+    std::set<std::string> blocks;
+    for (const auto& p : model->named_parameters()) {
+      if (p.key().starts_with("transformer.h.")) blocks.insert(p.key().substr(0, p.key().find('.', 14)));
+    }
+    EXPECT_EQ(blocks, std::set<std::string>{stage == 0 ? "transformer.h.0" : "transformer.h.1"});
+  }
+  for (int level : {0, 3}) {
+    SCOPED_TRACE("GPT-2 made for its stage, pp 2, zero " + std::to_string(level));
+    expect_same(train(family, gpt2(level)), want);
+  }
+  SCOPED_TRACE("GPT-2 of 4 blocks made for its stage, pp 2 interleaved over 2 chunks, zero 2");
+  const auto deep = by_stage(gpt2_family(4));
+  expect_same(train(deep, gpt2(2, 2)), train(deep, nullptr));
+}
+
 TEST(HybridParallel, AStageHoldsItsLayersAndEndsAndReducesOncePerStep) {
   const auto family = llama_sgd();
   auto plugin = std::dynamic_pointer_cast<HybridParallel>(hybrid(1, 0, false, 2));

@@ -30,6 +30,9 @@ struct Family {
   std::function<torch::Tensor(torch::nn::Module&, const torch::Tensor&)> loss;
   std::function<std::unique_ptr<torch::optim::Optimizer>(torch::nn::Module&)> optimizer;
   int64_t vocab;
+  /// Under HybridParallel, make the model in its build(): each stage makes its own layers only
+  /// (build must then give the parameters their values by name).
+  bool by_stage = false;
 };
 
 inline llama::Config small_llama() { return {.vocab = 64, .dim = 32, .layers = 2, .heads = 4, .hidden = 96, .context = kSeq}; }
@@ -47,12 +50,12 @@ inline Family llama_family() {
           .vocab = c.vocab};
 }
 
-inline Family gpt2_family() {
+inline Family gpt2_family(int64_t layers = 2) {
   models::GptConfig c;
   c.vocab_size = 64;
   c.context = kSeq;
   c.d_model = 32;
-  c.n_layer = 2;
+  c.n_layer = layers;
   c.n_head = 4;
   return {.build = [c] { return models::PlainGpt(c).ptr(); },
           .loss = [](torch::nn::Module& m, const torch::Tensor& t) { return dynamic_cast<models::PlainGptImpl&>(m).loss(t); },
@@ -80,7 +83,8 @@ inline torch::Tensor global_batch(int64_t step, int64_t vocab) {
 struct Trainee {
   Trainee(const Family& f, uint64_t seed, std::shared_ptr<Plugin> plugin) : family(f) {
     torch::manual_seed(seed);
-    model = family.build();
+    auto* hybrid = dynamic_cast<HybridParallel*>(plugin.get());
+    model = hybrid && family.by_stage ? hybrid->build(family.build) : family.build();
     opt = family.optimizer(*model);
     if (plugin) {
       booster.emplace(plugin, BoosterOptions{.max_grad_norm = 1.0});
@@ -148,8 +152,10 @@ struct Trainee {
 
 /// `plugin` null: one process on the global batch. Otherwise each rank its share, boosted.
 inline Run train(const Family& family, std::shared_ptr<Plugin> plugin) {
-  // Another seed on every rank: boost() makes the replicas equal to dp rank 0's.
-  Trainee t(family, plugin ? 7 + runtime().rank() : 7, std::move(plugin));
+  // Another seed on every rank: boost() makes the replicas equal to dp rank 0's. (The seed is
+  // read before the plugin moves into the call: arguments have no order of evaluation.)
+  const uint64_t seed = plugin ? 7 + runtime().rank() : 7;
+  Trainee t(family, seed, std::move(plugin));
   Run run;
   for (int step = 0; step < kSteps; ++step) run.losses.push_back(t.step(global_batch(step, family.vocab)));
   run.params = t.params();

@@ -32,17 +32,22 @@
 /// ztrain::nn::Embedding (drop-ins for torch's, identical alone); at zero_level 3 or with
 /// pipeline stages the repeated layers sit in a ztrain::LayerList, which the stages share out.
 /// Dropout inside a tensor-parallel region needs the same generator state on every rank of the
-/// tp group. Each rank builds the whole model before boost() (the layers a stage does not hold
-/// are freed there, not never made).
+/// tp group. A model made whole is let go of in part by boost() (a stage frees the layers it
+/// does not hold); made in build(), with its LayerList made with a size and a factory, a stage
+/// never materialises the layers it does not hold.
 ///
-///   ztrain::Booster booster(std::make_shared<ztrain::HybridParallel>(
-///       ztrain::HybridParallelOptions{.tp_size = 2, .zero_level = 2, .policy = llama::policy()}));
+///   auto plugin = std::make_shared<ztrain::HybridParallel>(ztrain::HybridParallelOptions{
+///       .pp_size = 2, .zero_level = 2, .policy = llama::policy()});
+///   auto model = plugin->build([&] { return llama::Llama(config); });   // this stage's layers
+///   ztrain::init_parameters(*model, {.seed = 42});                      // values by name
+///   ztrain::Booster booster(plugin);
 ///   booster.boost(*model, optimizer);
 
 #include <ztrain/booster/booster.h>
 #include <ztrain/booster/policy.h>
 #include <ztrain/pipe/pipeline.h>
 #include <ztrain/runtime/parallel_context.h>
+#include <ztrain/zero/layer_list.h>
 
 #include <cstdint>
 #include <memory>
@@ -90,7 +95,23 @@ class HybridParallel : public Plugin {
                                  double loss_scale) override;
   torch::Tensor evaluate_pipeline(const std::vector<std::vector<torch::Tensor>>& micro_batches) override;
 
-  /// The dp × tp mesh the model lives on, after boost().
+  /// Returns make(), the model made so that this rank's pipeline stage builds only its own
+  /// layers: the LayerLists made in it with a size and a factory (zero/layer_list.h) — the
+  /// policy's list, which must be the only one — make the layers this stage will hold and no
+  /// others. Their values are not those of a model made whole (the generator draws for fewer
+  /// layers) and boost() then makes each stage's ranks equal to the stage's first, not to world
+  /// rank 0: give the parameters their values by name with init_parameters, or load a file.
+  /// Collective over the world (the plugin's mesh is made here). With one stage, just make().
+  template <class Make>
+  auto build(Make&& make) {
+    LayerListScope scope([this](size_t size) { return stage_layers(size); });
+    return std::forward<Make>(make)();
+  }
+  /// The layers [first, last) that this rank's stage holds of a list of `size`, one range per
+  /// model chunk (all of them with one stage). Collective over the world the first time (the
+  /// plugin's mesh is made).
+  LayerListScope::Ranges stage_layers(size_t size);
+  /// The pp × dp × tp mesh the model lives on (made by the first of build() and boost()).
   ParallelContext& context();
   /// The data-parallel plugin underneath (DataParallel, LowLevelZero or FullyShard).
   Plugin& data_parallel();
@@ -100,8 +121,11 @@ class HybridParallel : public Plugin {
   const HybridParallelOptions& options() const { return options_; }
 
  private:
-  /// Makes every rank's model rank 0's and splits it over tp as the policy says.
-  void split_tensor_parallel(torch::nn::Module& model);
+  /// The mesh: the default context where it has the plugin's sizes, else one split from it.
+  ParallelContext& mesh_context();
+  /// Makes every rank's model rank 0's (each stage's first rank's where the model was made in
+  /// build() for its stage) and splits it over tp as the policy says.
+  void split_tensor_parallel(torch::nn::Module& model, bool by_stage);
   /// Keeps this stage's layers and ends, lets go of the rest and drops them from the optimizer.
   void hold_stage(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   /// The ZeRO level's plugin over the dp group.

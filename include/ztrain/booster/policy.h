@@ -6,7 +6,9 @@
 /// path component, so "layers.*.attention.wq" names that projection in every layer — to how
 /// the layer there splits (nn::TpStyle: column, row, vocabulary; fused parts; a gathered
 /// output). The layers it names must be ztrain::nn::Linear and ztrain::nn::Embedding
-/// (tp/nn.h), the drop-ins for torch's; everything it does not name stays replicated. A model
+/// (tp/nn.h), the drop-ins for torch's, or the tp:: parallel linears (tp/layers.h) built over
+/// one rank, which a rule splits as they were built to (its fused parts, gathered output and
+/// parallel input must match theirs); everything it does not name stays replicated. A model
 /// whose forward reads a size that the split changes (a head count in a view) says how to
 /// adjust it in `adapt`, called after the split with the tp size.
 ///

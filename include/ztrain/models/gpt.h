@@ -154,6 +154,15 @@ class Gpt : public torch::nn::ModuleHolder<GptImpl> {
       : ModuleHolder(std::make_shared<GptImpl>(std::move(config), options)) {}
 };
 
+/// The head tied to a token embedding `wte` split by vocabulary rows over `tp` (null: whole):
+/// this rank's logits [.., rows of wte] of the final hidden states `x`, the padding's (rows past
+/// `vocab_size`) -inf. x is the same on every rank of tp; its gradient is summed over tp.
+torch::Tensor tied_head_logits(const torch::Tensor& x, const torch::Tensor& wte, int64_t vocab_size, Communicator* tp);
+/// Mean next-token cross-entropy of logits [batch, seq, vocab] — this rank's part of the
+/// vocabulary when it is split over `tp` (tp::parallel_cross_entropy) — predicting tokens[:, 1:]
+/// of tokens [batch, seq + 1]. In fp32.
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& tokens, Communicator* tp = nullptr);
+
 /// GPT-2's initialisation: weights N(0, 0.02²), the residual projections (c_proj)
 /// N(0, (0.02/√(2·n_layer))²), biases zero, LayerNorm scales one.
 ParameterInit gpt_init(const GptConfig& config);

@@ -68,6 +68,12 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public ParameterRecor
   /// depend on the tp size; init_parameters replaces them.
   explicit ColumnParallelLinearImpl(ColumnParallelLinearOptions options, Communicator* group = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
+  /// Splits a layer built over one rank (whole) over `group` in place, as building it over
+  /// `group` would have, its records naming `context` (when given): the parameter objects stay,
+  /// so an optimizer keeps its references. A layer split over `group` already is left as it
+  /// is; one split over another group of several ranks is refused. What a policy's kColumn rule
+  /// does (booster/policy.h).
+  void parallelize(Communicator& group, ParallelContext* context = nullptr);
 
   const ColumnParallelLinearOptions& options() const { return options_; }
   torch::Tensor weight, bias;
@@ -101,6 +107,9 @@ class RowParallelLinearImpl : public torch::nn::Module, public ParameterRecords 
  public:
   explicit RowParallelLinearImpl(RowParallelLinearOptions options, Communicator* group = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
+  /// ColumnParallelLinear::parallelize's counterpart (a kRow rule): the weight's input
+  /// features split, the bias stays whole.
+  void parallelize(Communicator& group, ParallelContext* context = nullptr);
 
   const RowParallelLinearOptions& options() const { return options_; }
   torch::Tensor weight, bias;

@@ -107,6 +107,8 @@ class EmbeddingImpl : public torch::nn::Module, public ParameterRecords {
   /// with zero rows at its end, which files never hold), or keeps it whole (kReplicated).
   void parallelize(const TpStyle& style, Communicator& group, ParallelContext* context = nullptr);
   const TpStyle& style() const { return style_; }
+  /// The group the rows are split over (kVocab), else null.
+  Communicator* vocab_group() const { return style_.role == TpRole::kVocab ? group_ : nullptr; }
 
   torch::nn::EmbeddingOptions options;
   torch::Tensor weight;

@@ -35,6 +35,11 @@ using ztrain::slice;
 /// Declares `owner`'s parameter `name` this tp rank's slice of a full tensor split as `split`
 /// over `group` (null: one rank). Throws ztrain::Error when the split does not fit its shape.
 void set_split(ParameterRecords& owner, const std::string& name, Split split, Communicator* group);
+/// Replaces the values of `owner`'s whole parameter `name` (the tensor `param`) with this rank's
+/// slice of them, split `split` over `group`, and declares it: the parameter object stays, so
+/// optimizers and holders keep referring to it. How a layer built whole is split afterwards.
+void split_in_place(ParameterRecords& owner, const std::string& name, torch::Tensor& param, Split split,
+                    Communicator& group);
 /// The split `module` declared for its own parameter `name`, if any.
 std::optional<Split> split_of(const torch::nn::Module& module, const std::string& name);
 

@@ -23,17 +23,43 @@
 /// forward must be one a Block can wrap: tensors and other arguments in, a tensor, a tuple or
 /// pair of tensors, or a vector of tensors out (zero/block.h). hold() (HybridParallel calls it
 /// for a pipeline stage) keeps contiguous parts of the layers and lets go of the others.
+///
+/// A list made with its size and a factory, `layers(12, [&](size_t) { return Layer(512); })`,
+/// builds only the layers the enclosing LayerListScope holds (HybridParallel::build opens one
+/// for the rank's pipeline stage): the others are never made, and their places hold empty
+/// modules as hold() leaves them. Made outside a scope, it builds every layer.
 
 #include <ztrain/error.h>
 #include <ztrain/zero/block_list.h>
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace ztrain {
+
+/// Which layers the LayerLists made with a size and a factory in this thread build, while it
+/// lives: given a list's size, the ranges [first, last) to build. Scopes nest; the innermost
+/// applies.
+class LayerListScope {
+ public:
+  using Ranges = std::vector<std::pair<size_t, size_t>>;
+  explicit LayerListScope(std::function<Ranges(size_t size)> held);
+  ~LayerListScope();
+  LayerListScope(const LayerListScope&) = delete;
+  LayerListScope& operator=(const LayerListScope&) = delete;
+  /// The innermost scope of this thread, or null.
+  static const LayerListScope* current();
+  /// The ranges to build of a list of `size` layers (checked against the size).
+  Ranges held(size_t size) const;
+
+ private:
+  std::function<Ranges(size_t)> held_;
+  const LayerListScope* outer_;
+};
 
 /// What FullyShard and HybridParallel need of any LayerList<M>.
 class LayerListBase : public torch::nn::Module {
@@ -46,8 +72,11 @@ class LayerListBase : public torch::nn::Module {
   /// shard() see the held layers only, under their indices in the whole list, and the list lets
   /// go of the dropped ones. Calling a dropped layer throws.
   virtual void hold(const std::vector<std::pair<size_t, size_t>>& ranges) = 0;
-  /// Whether layer i is held (every layer, unless hold() dropped some).
+  /// Whether layer i is held (every layer, unless hold() dropped some or a LayerListScope
+  /// left it unmade).
   virtual bool holds(size_t i) const = 0;
+  /// Whether the list was made under a LayerListScope that left layers unmade.
+  virtual bool partial() const = 0;
   /// Wraps every layer in a Block with `options`, its flat groups formed by `grouping`, in
   /// place (collective over the dp group). Once.
   virtual void shard(const BlockOptions& options, const ShardGrouping& grouping) = 0;
@@ -78,8 +107,28 @@ class LayerListImpl : public LayerListBase {
     size_t index_;
   };
 
+  LayerListImpl() = default;
+  /// `size` layers, layer i made by make(i) — only those the current LayerListScope holds.
+  LayerListImpl(size_t size, const std::function<M(size_t)>& make) {
+    const auto* scope = LayerListScope::current();
+    const auto held = scope ? scope->held(size) : LayerListScope::Ranges{{0, size}};
+    bool partial = false;
+    for (size_t i = 0; i < size; ++i) {
+      if (std::any_of(held.begin(), held.end(), [i](const auto& r) { return i >= r.first && i < r.second; })) {
+        push_back(make(i));
+      } else {
+        register_module(std::to_string(i), std::make_shared<torch::nn::Module>("DroppedLayer"));
+        layers_.push_back(M(nullptr));
+        handles_.push_back(Layer(this, i));
+        partial = true;
+      }
+    }
+    partial_ = partial;
+  }
+
   void push_back(M layer) {
     ZTRAIN_CHECK(blocks_.empty(), "LayerList: push_back after shard()");
+    ZTRAIN_CHECK(!partial_, "LayerList: push_back to a list made for a pipeline stage (under a LayerListScope)");
     ZTRAIN_CHECK(!layer.is_empty(), "LayerList: layer ", layers_.size(), " is empty");
     register_module(std::to_string(layers_.size()), layer.ptr());
     layers_.push_back(std::move(layer));
@@ -105,6 +154,11 @@ class LayerListImpl : public LayerListBase {
     for (const auto& [first, last] : ranges) {
       ZTRAIN_CHECK(first <= last && last <= layers_.size(), "LayerList: cannot hold layers [", first, ", ", last,
                    ") of ", layers_.size());
+      for (size_t i = first; i < last; ++i) {
+        ZTRAIN_CHECK(!layers_[i].is_empty(), "LayerList: layer ", i, " cannot be held: it is not here (the list "
+                     "was made for other layers under a LayerListScope, or an earlier hold() let go of it); make the "
+                     "model in the build() of the plugin that boosts it");
+      }
     }
     auto held = [&](size_t i) {
       return std::any_of(ranges.begin(), ranges.end(), [i](const auto& r) { return i >= r.first && i < r.second; });
@@ -116,6 +170,7 @@ class LayerListImpl : public LayerListBase {
     }
   }
   bool holds(size_t i) const override { return i < layers_.size() && !layers_[i].is_empty(); }
+  bool partial() const override { return partial_; }
 
   void shard(const BlockOptions& options, const ShardGrouping& grouping) override {
     ZTRAIN_CHECK(blocks_.empty(), "LayerList: shard() was called already; a layer can be wrapped once");
@@ -143,6 +198,7 @@ class LayerListImpl : public LayerListBase {
   std::vector<M> layers_;
   std::vector<Layer> handles_;
   std::vector<Block<M>> blocks_;
+  bool partial_ = false;
 };
 
 /// The module holder of LayerListImpl<M>, like TORCH_MODULE: `ztrain::LayerList<Layer> layers;`
