@@ -83,10 +83,9 @@ TORCH_MODULE(PlainGpt);
 /// tp group, and a plugin over that group finds them split.) The token embedding splits by
 /// vocabulary (padded to a multiple of tp; files hold the unpadded one), and with it the tied
 /// head, whose loss then never gathers the logits; the position embedding stays whole.
-/// Pipeline stages share out
-/// transformer.h; the first holds the position embedding, the last the final LayerNorm, and
-/// both the token embedding, which the head reuses (a tied module: the two copies step alike).
-/// A micro-batch is {tokens [batch, seq + 1]}, as loss() takes.
+/// Pipeline stages share out transformer.h; the first holds the position embedding, the last
+/// the final LayerNorm, and both the token embedding, which the head reuses (a tied module: the
+/// two copies step alike). A micro-batch is {tokens [batch, seq + 1]}, as loss() takes.
 inline Policy plain_gpt_policy() {
   auto gpt = [](torch::nn::Module& m) -> PlainGptImpl& { return dynamic_cast<PlainGptImpl&>(m); };
   auto check = [gpt](torch::nn::Module& m, const TensorList& mb) {
