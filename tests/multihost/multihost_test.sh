@@ -39,9 +39,7 @@ for i in "${!configs[@]}"; do
   read -ra cfg <<<"${configs[$i]}"
   "$mpirun" -np 4 --oversubscribe --bind-to none "$gpt" train "${common[@]}" "${cfg[@]}" --out "$work/one-$i" \
     > "$work/one-$i.log" 2>&1 || { cat "$work/one-$i.log"; fail "one host: ${configs[$i]}"; }
-  # A 180 s deadline: Open MPI's TCP path between these hosts now and then stalls a process for
-  # tens of seconds at a communicator's creation (docs/errors.md), past the tests' usual 60 s.
-  ZTRAIN_TIMEOUT_S=180 hosts_mpirun 2 -x ZTRAIN_TIMEOUT_S -- "$gpt" train "${common[@]}" "${cfg[@]}" \
+  hosts_mpirun 2 -- "$gpt" train "${common[@]}" "${cfg[@]}" \
     --out "$work/two-$i" > "$work/two-$i.log" 2>&1 || { cat "$work/two-$i.log"; fail "two hosts: ${configs[$i]}"; }
   worst=$(paste <(losses "$work/one-$i") <(losses "$work/two-$i") |
           awk '{ d = $1 - $2; d = d < 0 ? -d : d; if (d > w) w = d; n++ } END { if (n != 6) print "missing"; else print w + 0 }')
