@@ -74,8 +74,8 @@ void apply_tensor_parallel(torch::nn::Module& model, const Policy& policy, Commu
   // A layer list made for a pipeline stage may hold none of the layers a rule names.
   const auto& layers = policy.pipeline.layers;
   const auto* list = layers.empty() ? nullptr : model.named_modules().find(layers);
-  const bool partial = list && dynamic_cast<const LayerListBase*>(list->get()) &&
-                       dynamic_cast<const LayerListBase*>(list->get())->partial();
+  const auto* stages = list ? dynamic_cast<const LayerListBase*>(list->get()) : nullptr;
+  const bool partial = stages && stages->partial();
   for (size_t r = 0; r < matched.size(); ++r) {
     const auto& path = policy.tensor_parallel[r].path;
     ZTRAIN_CHECK(matched[r] > 0 || (partial && path.rfind(layers + ".", 0) == 0), "policy '", policy.name, "': rule '",

@@ -55,6 +55,10 @@ class LayerListScope {
   static const LayerListScope* current();
   /// The ranges to build of a list of `size` layers (checked against the size).
   Ranges held(size_t size) const;
+  /// Whether layer `i` lies in one of `ranges`.
+  static bool contains(const Ranges& ranges, size_t i) {
+    return std::any_of(ranges.begin(), ranges.end(), [i](const auto& r) { return i >= r.first && i < r.second; });
+  }
 
  private:
   std::function<Ranges(size_t)> held_;
@@ -114,7 +118,7 @@ class LayerListImpl : public LayerListBase {
     const auto held = scope ? scope->held(size) : LayerListScope::Ranges{{0, size}};
     bool partial = false;
     for (size_t i = 0; i < size; ++i) {
-      if (std::any_of(held.begin(), held.end(), [i](const auto& r) { return i >= r.first && i < r.second; })) {
+      if (LayerListScope::contains(held, i)) {
         push_back(make(i));
       } else {
         register_module(std::to_string(i), std::make_shared<torch::nn::Module>("DroppedLayer"));
@@ -160,11 +164,8 @@ class LayerListImpl : public LayerListBase {
                      "model in the build() of the plugin that boosts it");
       }
     }
-    auto held = [&](size_t i) {
-      return std::any_of(ranges.begin(), ranges.end(), [i](const auto& r) { return i >= r.first && i < r.second; });
-    };
     for (size_t i = 0; i < layers_.size(); ++i) {
-      if (held(i) || layers_[i].is_empty()) continue;
+      if (LayerListScope::contains(ranges, i) || layers_[i].is_empty()) continue;
       replace_module(std::to_string(i), std::make_shared<torch::nn::Module>("DroppedLayer"));
       layers_[i] = M(nullptr);
     }
