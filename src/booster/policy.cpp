@@ -73,7 +73,8 @@ void apply_tensor_parallel(torch::nn::Module& model, const Policy& policy, Commu
   }
   // A layer list made for a pipeline stage may hold none of the layers a rule names.
   const auto& layers = policy.pipeline.layers;
-  const auto* list = layers.empty() ? nullptr : model.named_modules().find(layers);
+  const auto modules = model.named_modules();  // find() points into it
+  const auto* list = layers.empty() ? nullptr : modules.find(layers);
   const auto* stages = list ? dynamic_cast<const LayerListBase*>(list->get()) : nullptr;
   const bool partial = stages && stages->partial();
   for (size_t r = 0; r < matched.size(); ++r) {
