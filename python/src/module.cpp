@@ -14,6 +14,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -106,28 +107,47 @@ class NativeAdam {
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
+/// A module of a Python model's C++ view: it keeps records of its own parameters (the
+/// tensor-parallel splits the Python side declares).
+struct Holder : torch::nn::Module, zt::ParameterRecords {
+  using torch::nn::Module::Module;
+};
+
 /// The module at the dotted `path` below `root` without its last part, made on the way, and
 /// that last part.
-std::pair<torch::nn::Module*, std::string> parent_of(torch::nn::Module& root, const std::string& path) {
-  torch::nn::Module* at = &root;
+std::pair<Holder*, std::string> parent_of(Holder& root, const std::string& path) {
+  Holder* at = &root;
   size_t begin = 0;
   for (size_t dot = path.find('.'); dot != std::string::npos; begin = dot + 1, dot = path.find('.', begin)) {
     const auto part = path.substr(begin, dot - begin);
     auto children = at->named_children();
-    at = children.contains(part) ? children[part].get()
-                                 : at->register_module(part, std::make_shared<torch::nn::Module>()).get();
+    at = children.contains(part) ? dynamic_cast<Holder*>(children[part].get())
+                                 : at->register_module(part, std::make_shared<Holder>()).get();
+    ZTRAIN_CHECK(at, "the model view has a Block at '", path.substr(0, dot), "' and parameters below it");
   }
   return {at, path.substr(begin)};
 }
 
+/// Tensor-parallel splits by parameter name: the dimension along which each named parameter is
+/// this rank's slice of its full tensor over the default context's tp group (Megatron's cut).
+using Splits = std::map<std::string, int64_t>;
+
 /// A C++ module tree holding `named` (the Python module's parameters, the same tensors) under
 /// the same dotted names, which the ZeRO engine then points into its flat buffers: what it does
-/// to them, the Python module's parameters see.
-std::shared_ptr<torch::nn::Module> holder_of(const NamedTensors& named) {
-  auto root = std::make_shared<torch::nn::Module>("Python module");
+/// to them, the Python module's parameters see. The parameters in `splits` are declared
+/// tensor-parallel slices.
+std::shared_ptr<torch::nn::Module> holder_of(const NamedTensors& named, const Splits& splits) {
+  auto root = std::make_shared<Holder>("Python module");
   for (const auto& [name, tensor] : named) {
     auto [parent, last] = parent_of(*root, name);
     parent->register_parameter(last, tensor, tensor.requires_grad());
+    if (const auto it = splits.find(name); it != splits.end()) {
+      parent->declare_split(last, tensor, {.dim = it->second}, &zt::default_context().tp());
+    }
+  }
+  for (const auto& [name, dim] : splits) {
+    ZTRAIN_CHECK(std::ranges::any_of(named, [&](const auto& p) { return p.first == name; }), "Block: the split parameter '",
+                 name, "' is not a parameter of the module");
   }
   return root;
 }
@@ -136,7 +156,8 @@ std::shared_ptr<torch::nn::Module> holder_of(const NamedTensors& named) {
 /// over the tensors, run again in backward under recomputation.
 class PyBlock : public zt::ShardedModule {
  public:
-  PyBlock(const NamedTensors& named, zt::BlockOptions options) : ShardedModule(holder_of(named), options, "Block") {}
+  PyBlock(const NamedTensors& named, const Splits& splits, zt::BlockOptions options)
+      : ShardedModule(holder_of(named, splits), options, "Block") {}
 
   std::vector<torch::Tensor> forward(const py::function& fn, const std::vector<torch::Tensor>& inputs) {
     // The engine keeps the callable for the backward (recomputation).
@@ -154,8 +175,11 @@ class PyBlock : public zt::ShardedModule {
 /// the C++ DistributedParameter, named by where the model view registers it.
 class PyParameter : public zt::DistributedParameterImpl {
  public:
-  PyParameter(const torch::Tensor& value, int zero_level)
-      : DistributedParameterImpl(value, {.zero_level = zero_level, .requires_grad = value.requires_grad()}) {}
+  PyParameter(const torch::Tensor& value, int zero_level, std::optional<int64_t> tp_split_dim)
+      : DistributedParameterImpl(value, {.zero_level = zero_level,
+                                         .requires_grad = value.requires_grad(),
+                                         .tp_split = tp_split_dim ? std::optional<zt::TensorSplit>({.dim = *tp_split_dim})
+                                                                  : std::nullopt}) {}
   bool named_by_key() const override { return true; }
 };
 
@@ -191,7 +215,7 @@ using Blocks = std::vector<std::pair<std::string, std::shared_ptr<zt::ShardedMod
 /// Blocks would.
 std::shared_ptr<torch::nn::Module> model_view(const Blocks& blocks, const NamedTensors& params) {
   if (blocks.size() == 1 && blocks[0].first.empty() && params.empty()) return blocks[0].second;
-  auto root = std::make_shared<torch::nn::Module>("Python model");
+  auto root = std::make_shared<Holder>("Python model");
   for (const auto& [path, block] : blocks) {
     ZTRAIN_CHECK(!path.empty(), "a Block that is the whole model cannot hold other parameters beside it");
     auto [parent, last] = parent_of(*root, path);
@@ -210,7 +234,8 @@ zt::Communicator& group_named(const std::string& group) {
   if (group == "world") return c.world();
   if (group == "dp") return c.dp();
   if (group == "tp") return c.tp();
-  ZTRAIN_CHECK(group == "pp", "unknown group '", group, "': world, dp, tp or pp");
+  if (group == "stage") return c.stage();
+  ZTRAIN_CHECK(group == "pp", "unknown group '", group, "': world, dp, tp, pp or stage");
   return c.pp();
 }
 
@@ -282,14 +307,16 @@ PYBIND11_MODULE(_C, m) {
       .def("set_gradient_sync", &zt::ShardedModule::set_gradient_sync)
       .def("gradient_sync", &zt::ShardedModule::gradient_sync);
   py::class_<PyBlock, zt::ShardedModule, std::shared_ptr<PyBlock>>(m, "_Block")
-      .def(py::init([](const NamedTensors& named, int zero_level, bool use_checkpoint) {
-             return std::make_shared<PyBlock>(named, zt::BlockOptions{.zero_level = zero_level,
-                                                                       .use_checkpoint = use_checkpoint});
+      .def(py::init([](const NamedTensors& named, int zero_level, bool use_checkpoint, const Splits& splits) {
+             return std::make_shared<PyBlock>(named, splits,
+                                              zt::BlockOptions{.zero_level = zero_level, .use_checkpoint = use_checkpoint});
            }),
            release())
       .def("forward", &PyBlock::forward);
   py::class_<PyParameter, zt::ShardedModule, std::shared_ptr<PyParameter>>(m, "_Parameter")
-      .def(py::init([](const torch::Tensor& value, int zero_level) { return std::make_shared<PyParameter>(value, zero_level); }),
+      .def(py::init([](const torch::Tensor& value, int zero_level, std::optional<int64_t> tp_split_dim) {
+             return std::make_shared<PyParameter>(value, zero_level, tp_split_dim);
+           }),
            release())
       .def("gather", [](PyParameter& p) { return p.forward(); }, release());
   m.def(

@@ -11,6 +11,9 @@ nothing at levels 2 and 3, where forward gathers them (and backward again, at le
 optimizer updates is `parameters()`: this rank's shard of each group of parameters of one
 dtype (the whole buffer at level 0). Gradients are reduce-scattered (all-reduced at level 0)
 over the data-parallel group while backward goes on, and have landed when backward returns.
+A parameter with the attribute `tp_split_dim = d` (as ztrain.DistributedParameter sets it) is
+this rank's slice of a tensor-parallel parameter cut along d over the tensor-parallel group:
+save, load and init_parameters see its full tensor, and gradient norms count it on every tp rank.
 """
 import contextlib
 
@@ -77,7 +80,8 @@ class Block(torch.nn.Module):
         super().__init__()
         _take_full_values(module)
         named = list(module.named_parameters())
-        self._native = _C._Block(named, zero_level, use_checkpoint)
+        splits = {name: p.tp_split_dim for name, p in named if getattr(p, "tp_split_dim", None) is not None}
+        self._native = _C._Block(named, zero_level, use_checkpoint, splits)
         # Not a submodule: its parameters are views of the engine's buffers, not what is trained.
         object.__setattr__(self, "module", module)
         self.zero_level = zero_level

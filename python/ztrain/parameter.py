@@ -8,6 +8,10 @@
         def forward(self, ids):
             return torch.nn.functional.embedding(ids, self.weight.gather())
 
+With `tp_split_dim=d` the value is this rank's slice of a tensor-parallel parameter: its full
+tensor cut along dimension d into one equal chunk per rank of the tensor-parallel group, chunk r
+on tp rank r (Megatron's cut); save, load and init_parameters then see the full tensor.
+
 Construction broadcasts the value from dp rank 0 and keeps this rank's shard: what the module
 registers, and what an optimizer updates, is that flat shard (its gradient is reduce-scattered
 into it by backward). gather() returns the full tensor, connected to autograd; within one forward
@@ -22,15 +26,16 @@ from . import _C
 
 
 class DistributedParameter(torch.nn.Parameter):
-    def __new__(cls, data, requires_grad=True, zero_level=2):
+    def __new__(cls, data, requires_grad=True, zero_level=2, tp_split_dim=None):
         if not isinstance(data, torch.Tensor):
             raise _C.Error(f"DistributedParameter: the value must be a tensor, got {type(data).__name__}")
-        native = _C._Parameter(data.detach().requires_grad_(requires_grad), zero_level)
+        native = _C._Parameter(data.detach().requires_grad_(requires_grad), zero_level, tp_split_dim)
         (shard,) = native.shards()
         # The engine reduces gradients into this very tensor, so it changes class in place.
         shard.__class__ = cls
         shard._native = native
-        shard.full_shape = torch.Size(data.shape)
+        shard.full_shape = torch.Size(data.shape)  # of this tp rank's slice
+        shard.tp_split_dim = tp_split_dim
         return shard
 
     def __init__(self, *args, **kwargs):

@@ -281,11 +281,16 @@ class RunUnchanged(unittest.TestCase):
                     "layer = bmt.Block(Linear(4, 2))\n"
                     "bmt.init_parameters(layer)\n"
                     "assert config is bmt.config and config['initialized'] and bmt.nn.Linear is Linear\n"
-                    "bmt.print_rank('ran', tuple(layer(torch.ones(3, 4)).shape))\n")
+                    "x = torch.empty(3, 4, device='cuda').fill_(1).cuda().to('cuda:0')\n"
+                    "bmt.print_rank(torch.cuda.memory_summary())\n"
+                    "bmt.print_rank('ran', tuple(layer(x).shape), x.device)\n")
         out = subprocess.run([sys.executable, "-m", "ztrain.bmtrain", script], capture_output=True, text=True,
                              timeout=120)
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn("ran (3, 2)", out.stdout)
+        # On a rank without a GPU, CUDA placement means the rank's device.
+        self.assertIn("ran (3, 2) cpu", out.stdout)
+        if not torch.cuda.is_available():
+            self.assertIn("this rank runs on the CPU", out.stdout)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
     import ztrain.bmtrain as bmt        # in place of: import bmtrain as bmt
     bmt.init_distributed(seed=0)        # mpirun -np 4 python3 train.py
 
-Models written with bmt.DistributedModule, bmt.DistributedParameter, bmt.Block and
-bmt.TransformerBlockList, trained with bmt.optim and bmt.lr_scheduler, run unchanged but for
-device placement (tensors stay on ztrain's device: no .cuda(), no device="cuda"). Where BMTrain
+Models written with bmt.DistributedModule, bmt.DistributedParameter, bmt.Block,
+bmt.TransformerBlockList and bmt.nn's tensor-parallel layers, trained with bmt.optim and
+bmt.lr_scheduler, run unchanged; on ranks without a GPU, `.cuda()` and `device="cuda"` mean the
+rank's device (ztrain.bmtrain.placement). Where BMTrain
 and ztrain differ, this module follows BMTrain (sum_loss's mean, its weight decay, its
 schedules' arguments); docs/python.md has the table of every name: supported as is, differing,
 or missing.
@@ -20,8 +21,8 @@ from .. import init_distributed as _init_distributed
 from .. import print_rank
 from .. import synchronize
 from ..block import native_view
-from . import distributed, inspect, loss, lr_scheduler, nn, optim, utils
-from .global_var import config, rank, world_size
+from . import distributed, inspect, loss, lr_scheduler, nn, optim, placement, utils
+from .global_var import Topology, config, rank, world_size
 from .layer import (Block, CheckpointBlock, DistributedModule, DistributedParameter, ParameterInitializer,
                     TransformerBlockList, load_model_state, model_state)
 
@@ -33,25 +34,30 @@ __all__ = ["config", "rank", "world_size", "init_distributed", "DistributedParam
 
 def init_distributed(init_method="env://", seed=0, pipe_size=-1, num_micro_batches=None, tp_size=1):
     """Starts the job (collective, launched by mpirun) and fills bmt.config. Seeds torch, random
-    and numpy with `seed`. Pipelines (pipe_size > 1) and tensor parallelism (tp_size > 1) are not
-    available from ztrain.bmtrain yet."""
+    and numpy with `seed`. Ranks are laid out as BMTrain lays them: tensor-parallel groups of
+    tp_size consecutive ranks (config["tp_rank"]), the ranks with the same tp_rank form the
+    data-parallel group "tp_zero_comm" (config["tp_zero_rank"], config["tp_zero_size"]).
+    On a rank whose device is not a GPU, CUDA placement (`.cuda()`, `device="cuda"`) means
+    this rank's device from here on (ztrain.bmtrain.placement). Pipelines (pipe_size > 1) are
+    not available from ztrain.bmtrain yet."""
     if pipe_size > 1:
         raise _C.Error(f"init_distributed(pipe_size={pipe_size}): pipelines are not available in ztrain.bmtrain yet")
-    if tp_size > 1:
-        raise _C.Error(f"init_distributed(tp_size={tp_size}): tensor parallelism is not available in "
-                       "ztrain.bmtrain yet")
-    _init_distributed(seed=seed)
+    _init_distributed(seed=seed, tp_size=tp_size)
+    if torch.device(_C.device()).type != "cuda":
+        placement.map_cuda_to(_C.device())
     random.seed(seed)
     try:
         import numpy
         numpy.random.seed(seed)
     except ModuleNotFoundError:
         pass
+    tp_rank, tp_size = _C._group_rank("tp"), _C._group_size("tp")
     dp_rank, dp_size = _C._group_rank("dp"), _C._group_size("dp")
     config.update(initialized=True, rank=_C.rank(), world_size=_C.world_size(), local_rank=_C.local_rank(),
                   local_size=int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")), pipe_size=1,
-                  pipe_enabled=False, tp_size=1, tp_rank=0, zero_rank=dp_rank, zero_size=dp_size,
-                  tp_zero_rank=dp_rank, tp_zero_size=dp_size, save_param_to_cpu=True, comm="comm",
+                  pipe_enabled=False, tp_size=tp_size, tp_rank=tp_rank, zero_rank=_C._group_rank("stage"),
+                  zero_size=_C._group_size("stage"), tp_zero_rank=dp_rank, tp_zero_size=dp_size,
+                  topology=Topology(_C.rank(), tp_size), save_param_to_cpu=True, comm="comm",
                   zero_comm="zero_comm", tp_comm="tp_comm", tp_zero_comm="tp_zero_comm", pipe_comm="pipe_comm")
 
 

@@ -1,6 +1,7 @@
 """BMTrain's collectives (bmtrain.distributed) with its autograd rules, over ztrain's
-communicators. `comm` names a group ("comm": every rank, "zero_comm": data-parallel,
-"tp_comm": tensor-parallel, "pipe_comm": pipeline; bmt.config holds these names); None is
+communicators. `comm` names a group ("comm": every rank, "zero_comm": every rank of the pipeline
+stage, "tp_comm": tensor-parallel, "tp_zero_comm": the data-parallel ranks of one tp_rank,
+"pipe_comm": pipeline; bmt.config holds these names); None is
 every rank. As in BMTrain, the backward of all_gather keeps this rank's slice of the gradient
 and that of a sum all_reduce passes the gradient through: the loss is taken to be replicated
 over the group."""
@@ -9,7 +10,7 @@ import torch
 from .. import _C
 from .global_var import config
 
-_GROUPS = {"comm": "world", "zero_comm": "dp", "tp_zero_comm": "dp", "tp_comm": "tp", "pipe_comm": "pp"}
+_GROUPS = {"comm": "world", "zero_comm": "stage", "tp_zero_comm": "dp", "tp_comm": "tp", "pipe_comm": "pp"}
 
 
 def _group(comm):

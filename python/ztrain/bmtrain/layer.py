@@ -18,16 +18,27 @@ def _require_init(who):
 class DistributedParameter(_parameter.DistributedParameter):
     """BMTrain's DistributedParameter: sharded over the data-parallel group at construction
     (collective), gathered where a DistributedModule reads it, taken whole into a Block that
-    wraps its module. `init_method(tensor)` fills the full tensor in bmt.init_parameters."""
+    wraps its module. `init_method(tensor)` fills the full tensor in bmt.init_parameters.
+
+    With tp_mode=True and tp_split_dim=d >= 0, `data` is this tp rank's slice of the full tensor
+    (BMTrain's tensor-parallel parameter: the full tensor chunked along d, chunk tp_rank here);
+    init_parameters, save and load see the full tensor. Every other parameter is replicated over
+    the tensor-parallel group: its gradient is the sum of the tp ranks' (in BMTrain each tp rank
+    adds its part through the ZeRO reduction over all the stage's ranks)."""
 
     def __new__(cls, data, requires_grad=True, init_method=None, group=None, tp_mode=False, tp_split_dim=-1):
         _require_init("DistributedParameter")
-        p = super().__new__(cls, data, requires_grad=requires_grad, zero_level=2)
+        split = tp_split_dim if tp_mode and tp_split_dim >= 0 else None
+        p = super().__new__(cls, data, requires_grad=requires_grad, zero_level=2, tp_split_dim=split)
         p._init_method = init_method
-        p._group = group
+        p._group = group if not tp_mode else "tp"
         p._in_block = False
         p._tp_mode = tp_mode
         p._tp_split_dim = tp_split_dim
+        shape = list(data.shape)
+        if split is not None:
+            shape[split] *= config["tp_size"]
+        p._tp_original_shape = torch.Size(shape)
         return p
 
     @property
@@ -35,10 +46,38 @@ class DistributedParameter(_parameter.DistributedParameter):
         return self._group
 
     def gather_all(self):
-        return self.gather()
+        """The full tensor, gathered over the data-parallel and tensor-parallel groups."""
+        return _tp_gather(self.gather(), self.tp_split_dim)
 
     def tp_gather(self):
-        return self
+        """The tensor-parallel slices of this rank's shard put together (collective over tp)."""
+        return _tp_gather(self, self.tp_split_dim)
+
+
+def _tp_gather(x, dim):
+    if dim is None or config["tp_size"] == 1:
+        return x
+    from .distributed import all_gather
+    return torch.cat(all_gather(x, "tp_comm").unbind(0), dim=dim)
+
+
+class _SumOverTp(torch.autograd.Function):
+    """The identity whose backward sums the gradient over the tensor-parallel group: a parameter
+    replicated over tp whose uses differ between the tp ranks (the sequence-parallel parts)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        _C._all_reduce(grad, "sum", "tp")
+        return grad
+
+
+def _replicated_over_tp(p):
+    return config.get("tp_size", 1) > 1 and getattr(p, "tp_split_dim", None) is None
 
 
 class ParameterInitializer:
@@ -54,13 +93,20 @@ class ParameterInitializer:
 
 
 class DistributedModule(torch.nn.Module):
-    """A torch.nn.Module whose DistributedParameters read as their full values; state_dict and
-    load_state_dict take and give full tensors under the names of the model without Blocks."""
+    """A torch.nn.Module whose DistributedParameters read as their full values (this tp rank's
+    slice of a tensor-parallel one); state_dict and load_state_dict take and give full tensors
+    under the names of the model without Blocks. With tp_size > 1, a parameter replicated over
+    the tensor-parallel group reads through an identity whose backward sums its gradient over
+    that group."""
 
     def __getattr__(self, name):
         value = super().__getattr__(name)
-        if isinstance(value, _parameter.DistributedParameter):
-            return value.gather()
+        if isinstance(value, torch.nn.Parameter):
+            replicated = _replicated_over_tp(value)
+            if isinstance(value, _parameter.DistributedParameter):
+                value = value.gather()
+            if replicated and torch.is_grad_enabled() and value.requires_grad:
+                value = _SumOverTp.apply(value)
         return value
 
     def state_dict(self, destination=None, prefix="", keep_vars=False):

@@ -91,9 +91,11 @@ _UNBOUNDED = 2.0 ** 64  # BMTrain's max_loss_scale=inf: ztrain's scaler needs a 
 class OptimManager:
     """BMTrain's OptimManager: loss scaling (dynamic from loss_scale; None: off), clipping,
     steps skipped on every rank when a gradient overflows, schedules stepped after each applied
-    step. Gradients come out as the mean over the data-parallel ranks (scaled by zero_size /
-    grad_scale when grad_scale is given, as BMTrain's); plain torch parameters outside Blocks
-    and DistributedParameters are kept replicated: their gradients are averaged over the
+    step. Gradients come out as BMTrain's: the sum over the ranks of the stage (the data-parallel
+    ones, and the tensor-parallel ones for parameters replicated over tp) divided by grad_scale
+    (default config["zero_size"], every rank of the stage); without tensor parallelism that is
+    the mean over the data-parallel ranks. Plain torch parameters outside Blocks and
+    DistributedParameters are kept replicated: their gradients are averaged over the
     data-parallel group in backward."""
 
     def __init__(self, loss_scale=None, loss_scale_factor=2, loss_scale_steps=1024, min_loss_scale=1,
@@ -136,10 +138,12 @@ class OptimManager:
 
     def backward(self, loss):
         manager = self._manager()
-        if self.grad_scale != config["zero_size"]:
-            loss = loss * (config["zero_size"] / self.grad_scale)
+        # The engine averages over the data-parallel group (tp_zero_size ranks); BMTrain sums
+        # over the stage and divides by grad_scale.
+        if self.grad_scale != config["tp_zero_size"]:
+            loss = loss * (config["tp_zero_size"] / self.grad_scale)
         manager.backward(loss)
-        if config["zero_size"] > 1:
+        if config["tp_zero_size"] > 1:
             for p in self._plain:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
