@@ -212,17 +212,20 @@ class Functions(unittest.TestCase):
         return x.chunk(self.tp, dim=dim)[self.r].contiguous()
 
     def test_column_gathering_its_output(self):
-        x, w, b, g = torch.randn(5, 6), torch.randn(4 * self.tp, 6), torch.randn(4 * self.tp), torch.randn(5, 4 * self.tp)
-        xs, ws, bs = (t.clone().requires_grad_() for t in (x, self.part(w, 0), self.part(b, 0)))
-        out = bmt.nn.OpParallelLinear.apply(xs, ws, bs, False, True, False, None)
-        ref = [t.clone().requires_grad_() for t in (x, w, b)]
-        ref_out = F.linear(*ref)
-        torch.testing.assert_close(out, ref_out)
-        (out * g).sum().backward()
-        (ref_out * g).sum().backward()
-        torch.testing.assert_close(xs.grad, ref[0].grad)
-        torch.testing.assert_close(ws.grad, self.part(ref[1].grad, 0))
-        torch.testing.assert_close(bs.grad, self.part(ref[2].grad, 0))
+        for dtype, tol in ((torch.float32, {}), (torch.float16, {"atol": 2e-2, "rtol": 1e-2})):
+            x, w, b = (torch.randn(5, 6), torch.randn(4 * self.tp, 6), torch.randn(4 * self.tp))
+            g = torch.randn(5, 4 * self.tp)
+            xs, ws, bs = (t.to(dtype).requires_grad_() for t in (x, self.part(w, 0), self.part(b, 0)))
+            out = bmt.nn.OpParallelLinear.apply(xs, ws, bs, False, True, False, None)
+            self.assertEqual(out.dtype, dtype)
+            ref = [t.to(dtype).float().requires_grad_() for t in (x, w, b)]
+            ref_out = F.linear(*ref)
+            torch.testing.assert_close(out.float(), ref_out, **tol)
+            (out * g.to(dtype)).sum().backward()
+            (ref_out * g.to(dtype).float()).sum().backward()
+            torch.testing.assert_close(xs.grad.float(), ref[0].grad, **tol)
+            torch.testing.assert_close(ws.grad.float(), self.part(ref[1].grad, 0), **tol)
+            torch.testing.assert_close(bs.grad.float(), self.part(ref[2].grad, 0), **tol)
 
     def test_row_splitting_its_input_and_reducing_its_output(self):
         x, w, g = torch.randn(3, 5, 4 * self.tp), torch.randn(6, 4 * self.tp), torch.randn(3, 5, 6)

@@ -18,12 +18,17 @@ tensor-parallel group (config["tp_comm"]), with gradients exact for their forwar
   the gathers with the matmuls on CUDA streams (async_gather_chunks); here each collective runs
   once over the whole tensor, with the same result.
 
+On a CPU without native fp16 (bf16) matrix kernels — AMX-FP16 (AVX512-BF16 or AMX) — these
+layers multiply fp16 (bf16) tensors in fp32 and round the products, as GPU tensor cores
+accumulate: libtorch's own half-precision CPU matmul is some 60 times slower than fp32 there.
+
 Where BMTrain's gradients lose a part — the embedding's lookup keeps only this rank's tokens'
 contribution to its vocabulary slice, a row-parallel layer's bias gets different gradients on
 each tp rank, split_input's input gradient has the wrong shape — these layers give the whole
 gradient (docs/python.md).
 """
 import enum
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +36,30 @@ import torch.nn.functional as F
 from .. import _C
 from .global_var import config
 from .layer import DistributedModule, DistributedParameter, ParameterInitializer
+
+
+@functools.cache
+def _native_kernels(dtype):
+    """Whether this CPU multiplies `dtype` natively (torch.cpu's feature probes)."""
+    def probe(name):
+        return getattr(torch.cpu, name, lambda: False)()
+    if dtype == torch.float16:
+        return probe("_is_amx_fp16_supported")
+    return probe("_is_avx512_bf16_supported") or probe("_is_amx_tile_supported")
+
+
+def _widened(x):
+    return x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and not _native_kernels(x.dtype)
+
+
+def _linear(x, weight, bias=None):
+    if _widened(x):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def _mm(a, b):
+    return (a.float() @ b.float()).to(a.dtype) if _widened(a) else a @ b
 
 
 class Linear(DistributedModule):
@@ -46,7 +75,7 @@ class Linear(DistributedModule):
             self.register_parameter("bias", None)
 
     def forward(self, input):
-        return F.linear(input, self.weight, self.bias)
+        return _linear(input, self.weight, self.bias)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -113,7 +142,7 @@ class OpParallelLinear(torch.autograd.Function):
                 raise _C.Error(f"OpParallelLinear(split_input=True): the input's last dimension "
                                f"({full_input.shape[-1]}) does not divide by the {size} tensor-parallel ranks")
             full_input = full_input.chunk(size, dim=-1)[rank]
-        out = F.linear(full_input, weight, bias)
+        out = _linear(full_input, weight, bias)
         if gather_output:
             out = _gather_last(out)
         elif reduce_output_type == ReduceType.ALL_REDUCE:
@@ -143,7 +172,7 @@ class OpParallelLinear(torch.autograd.Function):
         grad = _rows(grad)
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_input = (grad @ weight).view(tuple(full_input.shape[:-1]) + (weight.shape[-1],))
+            grad_input = _mm(grad, weight).view(tuple(full_input.shape[:-1]) + (weight.shape[-1],))
             if split_input:
                 grad_input = _gather_last(grad_input)
             if gather_input:
@@ -152,7 +181,7 @@ class OpParallelLinear(torch.autograd.Function):
                 # A replicated input whose output stays split: every tp rank's part adds up.
                 grad_input = _all_reduce(grad_input)
         if ctx.needs_input_grad[1]:
-            grad_weight = grad.t() @ _rows(full_input)
+            grad_weight = _mm(grad.t(), _rows(full_input))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
