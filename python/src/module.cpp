@@ -425,6 +425,23 @@ PYBIND11_MODULE(_C, m) {
            release())
       .def("grad_norm", [](PyOptimManager& m) { return m->grad_norm(); }, release())
       .def("step", [](PyOptimManager& m) { return m->step(); }, release())
+      .def("state",
+           [](PyOptimManager& m) {
+             const auto s = m->state();
+             return py::make_tuple(s.scaler.scale, s.scaler.growth_tracker, s.scaler.hysteresis_left, s.steps,
+                                   s.skipped);
+           })
+      .def("load_state",
+           [](PyOptimManager& m, double scale, int64_t growth_tracker, int64_t hysteresis_left, int64_t steps,
+              int64_t skipped) {
+             auto s = m->state();
+             s.scaler.scale = scale;
+             s.scaler.growth_tracker = growth_tracker;
+             s.scaler.hysteresis_left = hysteresis_left;
+             s.steps = steps;
+             s.skipped = skipped;
+             m->load_state(s);
+           })
       .def_property_readonly("loss_scale", [](PyOptimManager& m) { return m->loss_scale(); })
       .def_property_readonly("steps", [](PyOptimManager& m) { return m->steps(); })
       .def_property_readonly("skipped_steps", [](PyOptimManager& m) { return m->skipped_steps(); });

@@ -56,7 +56,9 @@ class _NativeAdam(torch.optim.Optimizer):
 
     def state_dict(self):
         """torch.optim.AdamW's layout: {"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master"]}},
-        "param_groups": [...]}, parameters numbered across the groups in order."""
+        "param_groups": [...]}, parameters numbered across the groups in order. Waits for updates
+        in flight first."""
+        self._native.wait()
         out = super().state_dict()
         state = {}
         for index, p in enumerate(self._params()):
@@ -74,6 +76,7 @@ class _NativeAdam(torch.optim.Optimizer):
         """Loads a state dict of this optimizer or of torch.optim.AdamW/Adam (same groups and
         parameter shapes). The moments are copied onto each parameter's device in fp32; a
         bf16/fp16 parameter without a master in the dict takes its current value as the master."""
+        self._native.wait()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         params = self._params()
         for index, entry in state_dict["state"].items():

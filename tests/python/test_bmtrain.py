@@ -269,6 +269,24 @@ class Pieces(unittest.TestCase):
         self.assertAlmostEqual(recorder.value, (0.5 * 4.0 * 0.5 + 0.5 * 2.0) / (1 - 0.25))
 
 
+class HalfProducts(unittest.TestCase):
+    def test_products_of_half_tensors_on_this_cpu_multiply_in_fp32(self):
+        if torch.device(bmt._C.device()).type == "cuda":
+            self.skipTest("a GPU rank: placement is not mapped")
+        a = torch.randn(2, 8, 16).half().requires_grad_()
+        b = torch.randn(2, 16, 4).half()
+        products = [(torch.bmm(a, b), b), (a @ b, b), (torch.matmul(a, b), b), (a.bmm(b), b),
+                    (F.linear(a, b[0].t()), b[0])]
+        for out, right in products:
+            self.assertEqual(out.dtype, torch.float16)
+            if bmt.placement.widened(a):
+                torch.testing.assert_close(out, (a.detach().float() @ right.float()).half(), atol=0, rtol=0)
+        (a @ b).float().sum().backward()
+        self.assertEqual(a.grad.dtype, torch.float16)
+        torch.testing.assert_close(a.grad, (torch.ones(2, 8, 4) @ b.float().transpose(1, 2)).half(), atol=1e-3,
+                                   rtol=1e-3)
+
+
 class RunUnchanged(unittest.TestCase):
     @unittest.skipUnless(os.environ.get("ZTRAIN_TEST_WORLD_SIZE", "1") == "1", "starts a job of its own")
     def test_a_script_that_imports_bmtrain(self):

@@ -119,13 +119,38 @@ def data(step, batch):
     return ids[:, :-1], targets, pos, pos[:, None, :] <= pos[:, :, None]
 
 
+def trainer(model):
+    """BMTrain's example optimizer, schedule and manager over `model`."""
+    optimizer = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-2, weight_decay=1e-2)
+    lr_scheduler = bmt.lr_scheduler.Noam(optimizer, start_lr=2e-2, warmup_iter=2, end_iter=100, num_iter=0)
+    optim_manager = bmt.optim.OptimManager(loss_scale=2 ** 10)
+    optim_manager.add_optimizer(optimizer, lr_scheduler)
+    return optim_manager, lr_scheduler
+
+
+def train_step(test, model, optim_manager, step, check=lambda: None):
+    """One step on this data-parallel rank's sequence of the step's batch; the global loss."""
+    tp, dp, me = config["tp_size"], config["tp_zero_size"], config["tp_zero_rank"]
+    ids, targets, pos, mask = (t[me:me + 1] for t in data(step, dp))
+    logits = model(ids, pos, mask)
+    test.assertEqual(tuple(logits.shape), (1, SEQ, VOCAB // tp))
+    loss = bmt.loss.FusedCrossEntropy(ignore_index=-100, parallel=True)(logits.reshape(-1, VOCAB // tp),
+                                                                          targets.reshape(-1))
+    global_loss = bmt.sum_loss(loss).item()
+    optim_manager.zero_grad()
+    optim_manager.backward(loss)
+    check()
+    optim_manager.step()
+    return global_loss
+
+
 def tp_gather(x):
     return bmt.distributed.all_gather(x.contiguous(), config["tp_comm"])
 
 
 class TensorParallelGPT(unittest.TestCase):
     def test_training_equals_plain_pytorch(self):
-        tp, dp, me = config["tp_size"], config["tp_zero_size"], config["tp_zero_rank"]
+        tp, dp = config["tp_size"], config["tp_zero_size"]
         model = GPT()
         bmt.init_parameters(model)
         reference = {k: v.clone().requires_grad_() for k, v in model.state_dict().items()}
@@ -135,41 +160,21 @@ class TensorParallelGPT(unittest.TestCase):
         self.assertAlmostEqual(reference["word_emb.weight"].std().item(), 0.5, delta=0.05)
         self.assertEqual(tuple(model.word_emb.weight.shape), (VOCAB // tp, DIM))  # this rank's slice
 
-        loss_func = bmt.loss.FusedCrossEntropy(ignore_index=-100, parallel=True)
-        optimizer = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-2, weight_decay=1e-2)
-        lr_scheduler = bmt.lr_scheduler.Noam(optimizer, start_lr=2e-2, warmup_iter=2, end_iter=100, num_iter=0)
-        optim_manager = bmt.optim.OptimManager(loss_scale=2 ** 10)
-        optim_manager.add_optimizer(optimizer, lr_scheduler)
+        optim_manager, _ = trainer(model)
         ref_opt = torch.optim.AdamW(reference.values(), lr=1e-2, weight_decay=1e-2)
         ref_sched = bmt.lr_scheduler.Noam(ref_opt, start_lr=2e-2, warmup_iter=2, end_iter=100, num_iter=0)
 
         losses = []
         for step in range(STEPS):
             ids, targets, pos, mask = data(step, dp)
-            mine = slice(me, me + 1)
-            logits = model(ids[mine], pos[mine], mask[mine])
-            self.assertEqual(tuple(logits.shape), (1, SEQ, VOCAB // tp))
-            loss = loss_func(logits.reshape(-1, VOCAB // tp), targets[mine].reshape(-1))
-            global_loss = bmt.sum_loss(loss).item()
-            optim_manager.zero_grad()
-            optim_manager.backward(loss)
-
             ref_opt.zero_grad()
             ref_logits = reference_forward(reference, ids, pos, mask)
             ref_loss = torch.stack([F.cross_entropy(ref_logits[i], targets[i], ignore_index=-100)
                                     for i in range(dp)]).mean()
             ref_loss.backward()
+            global_loss = train_step(self, model, optim_manager, step, check=lambda: (
+                self.check_gradients(model, reference, optim_manager.loss_scale / tp) if step == 0 else None))
             self.assertAlmostEqual(global_loss, ref_loss.item(), delta=2e-5, msg=f"step {step}")
-            if step == 0:
-                # BMTrain's gradients: summed over the stage's tp_size × dp ranks, divided by their number.
-                scale = optim_manager.loss_scale / tp
-                for summary in bmt.inspect.inspect_model(model, "*"):
-                    grad = reference[summary["name"]].grad.double() * scale
-                    self.assertAlmostEqual(summary["grad_mean"], grad.mean().item(), delta=1e-4 * scale,
-                                           msg=summary["name"])
-                    self.assertAlmostEqual(summary["grad_std"], grad.std(unbiased=False).item(),
-                                           delta=1e-4 * scale + 1e-4 * grad.std().item(), msg=summary["name"])
-            optim_manager.step()
             ref_opt.step()
             ref_sched.step()
             losses.append(global_loss)
@@ -184,6 +189,36 @@ class TensorParallelGPT(unittest.TestCase):
         for other in tp_gather(bias):
             torch.testing.assert_close(other, bias, atol=0, rtol=0)
         self.check_save_and_load(model, final)
+        self.check_resume(model, optim_manager)
+
+    def check_gradients(self, model, reference, scale):
+        # BMTrain's gradients: summed over the stage's tp_size × dp ranks, divided by their number.
+        for summary in bmt.inspect.inspect_model(model, "*"):
+            grad = reference[summary["name"]].grad.double() * scale
+            self.assertAlmostEqual(summary["grad_mean"], grad.mean().item(), delta=1e-4 * scale, msg=summary["name"])
+            self.assertAlmostEqual(summary["grad_std"], grad.std(unbiased=False).item(),
+                                   delta=1e-4 * scale + 1e-4 * grad.std().item(), msg=summary["name"])
+
+    def check_resume(self, model, optim_manager):
+        """The model (bmt.save) and the OptimManager's state (one file per rank) saved now: two more
+        steps of a fresh model loaded from them equal two more steps here, bit for bit."""
+        path = os.path.join(tempfile.gettempdir(), f"ztrain_py_bmt_tp_{os.getppid()}")
+        bmt.save(model, path + ".pt")
+        torch.save(optim_manager.state_dict(), f"{path}.optim.{bmt.rank()}.pt")
+        expected = [train_step(self, model, optim_manager, step) for step in (STEPS, STEPS + 1)]
+        fresh = GPT()
+        bmt.load(fresh, path + ".pt")
+        manager, _ = trainer(fresh)
+        manager.load_state_dict(torch.load(f"{path}.optim.{bmt.rank()}.pt", weights_only=True))
+        self.assertEqual(manager.loss_scale, optim_manager.loss_scale)
+        self.assertEqual([train_step(self, fresh, manager, step) for step in (STEPS, STEPS + 1)], expected)
+        with self.assertRaisesRegex(bmt._C.Error, "the state has 2 optimizers, this manager 1"):
+            manager.load_state_dict(dict(manager.state_dict(), optimizers=[{}, {}]))
+        bmt.synchronize()
+        os.remove(f"{path}.optim.{bmt.rank()}.pt")
+        bmt.synchronize()
+        if bmt.rank() == 0:
+            os.remove(path + ".pt")
 
     def check_save_and_load(self, model, state):
         path = os.path.join(tempfile.gettempdir(), f"ztrain_py_bmt_tp_{os.getppid()}.pt")
@@ -226,6 +261,15 @@ class Functions(unittest.TestCase):
             torch.testing.assert_close(xs.grad.float(), ref[0].grad, **tol)
             torch.testing.assert_close(ws.grad.float(), self.part(ref[1].grad, 0), **tol)
             torch.testing.assert_close(bs.grad.float(), self.part(ref[2].grad, 0), **tol)
+
+    def test_op_linear_is_linear(self):
+        x, w, b = (torch.randn(2, 3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True),
+                   torch.randn(5, requires_grad=True))
+        out = bmt.nn.OpLinear.apply(x, w, b)
+        torch.testing.assert_close(out, F.linear(x, w, b))
+        grads = torch.autograd.grad(out.square().sum(), (x, w, b))
+        for mine, ref in zip(grads, torch.autograd.grad(F.linear(x, w, b).square().sum(), (x, w, b))):
+            torch.testing.assert_close(mine, ref)
 
     def test_row_splitting_its_input_and_reducing_its_output(self):
         x, w, g = torch.randn(3, 5, 4 * self.tp), torch.randn(6, 4 * self.tp), torch.randn(3, 5, 6)

@@ -18,9 +18,8 @@ tensor-parallel group (config["tp_comm"]), with gradients exact for their forwar
   the gathers with the matmuls on CUDA streams (async_gather_chunks); here each collective runs
   once over the whole tensor, with the same result.
 
-On a CPU without native fp16 (bf16) matrix kernels — AMX-FP16 (AVX512-BF16 or AMX) — these
-layers multiply fp16 (bf16) tensors in fp32 and round the products, as GPU tensor cores
-accumulate: libtorch's own half-precision CPU matmul is some 60 times slower than fp32 there.
+On a CPU without native fp16 (bf16) matrix kernels these layers multiply in fp32 and round the
+products (ztrain.bmtrain.placement says why), whether or not the placement mode is on.
 
 Where BMTrain's gradients lose a part — the embedding's lookup keeps only this rank's tokens'
 contribution to its vocabulary slice, a row-parallel layer's bias gets different gradients on
@@ -28,7 +27,6 @@ each tp rank, split_input's input gradient has the wrong shape — these layers 
 gradient (docs/python.md).
 """
 import enum
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -36,30 +34,17 @@ import torch.nn.functional as F
 from .. import _C
 from .global_var import config
 from .layer import DistributedModule, DistributedParameter, ParameterInitializer
-
-
-@functools.cache
-def _native_kernels(dtype):
-    """Whether this CPU multiplies `dtype` natively (torch.cpu's feature probes)."""
-    def probe(name):
-        return getattr(torch.cpu, name, lambda: False)()
-    if dtype == torch.float16:
-        return probe("_is_amx_fp16_supported")
-    return probe("_is_avx512_bf16_supported") or probe("_is_amx_tile_supported")
-
-
-def _widened(x):
-    return x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and not _native_kernels(x.dtype)
+from .placement import widened
 
 
 def _linear(x, weight, bias=None):
-    if _widened(x):
+    if widened(x):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
 def _mm(a, b):
-    return (a.float() @ b.float()).to(a.dtype) if _widened(a) else a @ b
+    return (a.float() @ b.float()).to(a.dtype) if widened(a) else a @ b
 
 
 class Linear(DistributedModule):
@@ -79,6 +64,24 @@ class Linear(DistributedModule):
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class OpLinear(torch.autograd.Function):
+    """BMTrain's OpLinear: apply(x, weight, bias=None) is F.linear with a backward of its own."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias=None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad = _rows(grad_output)
+        return (_mm(grad_output, weight) if ctx.needs_input_grad[0] else None,
+                _mm(grad.t(), _rows(x)) if ctx.needs_input_grad[1] else None,
+                grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None)
 
 
 class ReduceType(enum.Enum):

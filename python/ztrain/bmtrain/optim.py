@@ -162,6 +162,43 @@ class OptimManager:
                            "part of the parameters is not supported")
         return self._manager().clip_grad_norm(float(max_norm))
 
+    def state_dict(self, gather_opt=False):
+        """BMTrain's layout: {"optimizers": [each optimizer's state_dict()], "lr_schedulers":
+        [...], "loss_scale", "loss_scale_enabled"}, plus the dynamic scaler's counters and the
+        step counts under "ztrain". The optimizers' states are this rank's shards (save one file
+        per rank, load it on the same layout)."""
+        if gather_opt:
+            raise _C.Error("OptimManager.state_dict(gather_opt=True): optimizer states are saved per rank here; "
+                           "gathering them is not supported")
+        scale, growth_tracker, hysteresis_left, steps, skipped = self._manager().state()
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers],
+                "lr_schedulers": [s.state_dict() if s is not None else None for s in self.lr_schedulers],
+                "loss_scale": scale, "loss_scale_enabled": self._options[0] is not None,
+                "ztrain": {"growth_tracker": growth_tracker, "hysteresis_left": hysteresis_left, "steps": steps,
+                           "skipped": skipped}}
+
+    def load_state_dict(self, state_dict):
+        """Restores what state_dict() gave (or BMTrain's own layout, without the "ztrain" part):
+        the same optimizers and schedules, added in the same order."""
+        for key, mine in (("optimizers", self.optimizers), ("lr_schedulers", self.lr_schedulers)):
+            if len(state_dict[key]) != len(mine):
+                raise _C.Error(f"OptimManager.load_state_dict: the state has {len(state_dict[key])} {key}, this "
+                               f"manager {len(mine)}")
+        manager = self._manager()
+        for optimizer, state in zip(self.optimizers, state_dict["optimizers"]):
+            optimizer.load_state_dict(state)
+        for scheduler, state in zip(self.lr_schedulers, state_dict["lr_schedulers"]):
+            if scheduler is not None and state is not None:
+                scheduler.load_state_dict(state)
+        _, growth_tracker, hysteresis_left, steps, skipped = manager.state()
+        counters = state_dict.get("ztrain", {"growth_tracker": growth_tracker, "hysteresis_left": hysteresis_left,
+                                             "steps": steps, "skipped": skipped})
+        manager.load_state(float(state_dict["loss_scale"]), counters["growth_tracker"], counters["hysteresis_left"],
+                           counters["steps"], counters["skipped"])
+        for optimizer in self.optimizers:
+            if hasattr(optimizer, "_steps"):
+                optimizer._steps = counters["steps"]
+
     def step(self):
         manager = self._manager()
         for optimizer in self.optimizers:
