@@ -15,19 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import ztrain.bmtrain as bmt
+from bmtrain_gpt import Layernorm, reference_forward
 from ztrain.bmtrain.global_var import config
 
 VOCAB, DIM, HEADS, DIM_HEAD, FF, LAYERS, SEQ, STEPS = 48, 32, 4, 8, 64, 2, 12, 6
-
-
-class Layernorm(bmt.DistributedModule):
-    def __init__(self, dim):
-        super().__init__()
-        self.weight = bmt.DistributedParameter(torch.empty(dim), init_method=torch.nn.init.ones_)
-        self.bias = bmt.DistributedParameter(torch.empty(dim), init_method=torch.nn.init.zeros_)
-
-    def forward(self, x):
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias)
 
 
 class Embedding(bmt.DistributedModule):
@@ -89,26 +80,6 @@ class GPT(bmt.DistributedModule):
         return self.word_emb(self.layernorm(out), projection=True)
 
 
-def reference_forward(p, ids, pos, mask):
-    """The same model on a plain dict of full tensors."""
-    def ln(x, name):
-        return F.layer_norm(x, (DIM,), p[name + ".weight"], p[name + ".bias"])
-
-    def linear(x, name):
-        return F.linear(x, p[name + ".weight"], p[name + ".bias"])
-
-    h = F.embedding(pos, p["pos_emb.weight"]) + F.embedding(ids, p["word_emb.weight"])
-    b, s, _ = h.shape
-    for i in range(LAYERS):
-        at = f"transformers.{i}."
-        x = ln(h, at + "ln_attn")
-        q, k, v = (linear(x, at + "attn.project_" + n).view(b, s, HEADS, DIM_HEAD).transpose(1, 2) for n in "qkv")
-        score = (torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(DIM_HEAD)).masked_fill(~mask[:, None], float("-inf"))
-        h = h + linear(torch.matmul(score.softmax(-1), v).transpose(1, 2).reshape(b, s, -1), at + "attn.project_out")
-        h = h + linear(torch.relu(linear(ln(h, at + "ln_ff"), at + "w_in")), at + "w_out")
-    return F.linear(ln(h, "layernorm"), p["word_emb.weight"])
-
-
 def data(step, batch):
     """The whole batch: one sequence per data-parallel rank."""
     gen = torch.Generator().manual_seed(100 + step)
@@ -168,7 +139,7 @@ class TensorParallelGPT(unittest.TestCase):
         for step in range(STEPS):
             ids, targets, pos, mask = data(step, dp)
             ref_opt.zero_grad()
-            ref_logits = reference_forward(reference, ids, pos, mask)
+            ref_logits = reference_forward(reference, ids, pos, mask, LAYERS, HEADS, DIM_HEAD)
             ref_loss = torch.stack([F.cross_entropy(ref_logits[i], targets[i], ignore_index=-100)
                                     for i in range(dp)]).mean()
             ref_loss.backward()
