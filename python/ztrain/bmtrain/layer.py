@@ -7,6 +7,7 @@ import torch
 from .. import _C
 from .. import block as _block
 from .. import parameter as _parameter
+from .distributed import all_gather
 from .global_var import config
 
 
@@ -50,14 +51,14 @@ class DistributedParameter(_parameter.DistributedParameter):
         return _tp_gather(self.gather(), self.tp_split_dim)
 
     def tp_gather(self):
-        """The tensor-parallel slices of this rank's shard put together (collective over tp)."""
-        return _tp_gather(self, self.tp_split_dim)
+        """The full tensor, as gather_all: a DistributedParameter outside a Block is read by
+        gathering its data-parallel shards first."""
+        return self.gather_all()
 
 
 def _tp_gather(x, dim):
     if dim is None or config["tp_size"] == 1:
         return x
-    from .distributed import all_gather
     return torch.cat(all_gather(x, "tp_comm").unbind(0), dim=dim)
 
 

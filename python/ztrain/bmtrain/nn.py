@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _C
+from .distributed import all_gather
 from .global_var import config
 from .layer import DistributedModule, DistributedParameter, ParameterInitializer
 from .placement import widened
@@ -116,8 +117,7 @@ def _all_reduce(x):
 
 def _gather_last(x):
     """Every tp rank's x joined along the last dimension."""
-    rank, size = _tp()
-    parts = _C._all_gather(x.contiguous(), "tp").view((size,) + tuple(x.shape))
+    parts = _C._all_gather(x.contiguous(), "tp").view((_tp()[1],) + tuple(x.shape))
     return torch.cat(parts.unbind(0), dim=-1)
 
 
@@ -157,14 +157,14 @@ class OpParallelLinear(torch.autograd.Function):
                                f"{_tp()[1]} tensor-parallel ranks it is scattered over")
             shape[0] //= _tp()[1]
             out = _scatter_rows(_rows(out)).view(shape)
-        ctx.options = (gather_input, gather_output, split_input, reduce_output_type, tuple(out.shape))
+        ctx.options = (gather_input, gather_output, split_input, reduce_output_type)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(full_input, weight)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        gather_input, gather_output, split_input, reduce_output_type, _ = ctx.options
+        gather_input, gather_output, split_input, reduce_output_type = ctx.options
         full_input, weight = ctx.saved_tensors
         grad = grad_output
         if reduce_output_type == ReduceType.REDUCE_SCATTER:
@@ -289,6 +289,5 @@ class VPEmbedding(DistributedModule):
         if not projection:
             return F.embedding(x, _GatherTable.apply(weight) if config["tp_size"] > 1 else weight)
         if config["tp_size"] > 1:
-            from .distributed import all_gather
             x = all_gather(x, "tp_comm").view(x.shape[0], -1, x.shape[-1])
         return OpParallelLinear.apply(x, weight, None, False, False, False, None, 1)
