@@ -204,6 +204,7 @@ class TensorParallelGPT(unittest.TestCase):
             torch.testing.assert_close(value, state[name], atol=0, rtol=0, msg=name)
         rows = VOCAB // config["tp_size"]
         torch.testing.assert_close(fresh.word_emb.weight, state["word_emb.weight"][config["tp_rank"] * rows:][:rows])
+        torch.testing.assert_close(fresh.word_emb._parameters["weight"].gather_all(), state["word_emb.weight"])
         bmt.synchronize()
         if bmt.rank() == 0:
             os.remove(path)
