@@ -4,7 +4,8 @@ sequence split over the tp ranks, VPEmbedding, the fused q/k/v projection throug
 OpParallelLinear, ColumnParallelLinear and RowParallelLinear, FusedCrossEntropy(parallel=True),
 AdamOffloadOptimizer, OptimManager — trains as the same model in plain single-process PyTorch,
 step by step, its gradients BMTrain's (the true ones over tp_size); bmt.save writes full tensors
-and bmt.load splits them again. The other modes of OpParallelLinear and the vocabulary-parallel
+and bmt.load splits them again; a run resumed from the model and the OptimManager's state_dict
+continues bit for bit. The other modes of OpParallelLinear and the vocabulary-parallel
 cross entropy are checked against full-tensor references."""
 import math
 import os
