@@ -2,7 +2,7 @@
 // The fused Adam update over one span of elements: scalar reference, AVX2 and AVX-512 kernels.
 // Internal to ztrain (used by adam.cpp).
 
-#include <ztrain/optim/adam.h>
+#include <ztrain/optim/adam_kernel.h>
 
 #include <cstdint>
 

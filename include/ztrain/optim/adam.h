@@ -50,6 +50,8 @@
 ///   }
 ///   zo::AdamParamState* s = opt.state_of(shard);  // t, moments and master of one parameter
 
+#include <ztrain/optim/adam_kernel.h>
+
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
@@ -103,23 +105,6 @@ struct AdamParamState {
   torch::Tensor exp_avg_sq;
   torch::Tensor master;
 };
-
-/// The implementations of the fused update. Each gives the same bits as kScalar.
-enum class AdamKernel {
-  kScalar,  ///< plain C++, the reference
-  kAvx2,    ///< AVX2 + FMA + F16C, 8 floats per instruction
-  kAvx512,  ///< AVX-512 F/BW/VL, 16 floats per instruction
-  /// libtorch's fused kernel (aten::_fused_adamw_ / _fused_adam_): what parameters on a CUDA
-  /// device always use; on the CPU only when asked for.
-  kTorchFused,
-};
-
-/// "scalar", "avx2", "avx512" or "torch_fused".
-const char* to_string(AdamKernel kernel);
-/// Whether this CPU (and OS) can run `kernel`.
-bool adam_kernel_supported(AdamKernel kernel);
-/// The fastest kernel this CPU supports.
-AdamKernel best_adam_kernel();
 
 /// How the optimizer runs: one setting for the whole optimizer (unlike AdamOptions, which is
 /// per group). Validated by the constructor.
