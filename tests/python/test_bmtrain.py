@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ztrain.bmtrain as bmt
-from bmtrain_gpt import Layernorm, reference_forward
+from bmtrain_gpt import Layernorm, check_save_and_load, reference_forward
 
 VOCAB, DIM, HEADS, DIM_HEAD, FF, LAYERS, SEQ, BATCH, STEPS = 48, 32, 4, 8, 64, 2, 12, 4, 8
 
@@ -164,27 +164,18 @@ class BMTrainGPT(unittest.TestCase):
         self.assertIn("grad_mean", table.splitlines()[0])
 
     def check_save_and_load(self, model, state):
-        # The ranks are children of one launcher: its pid names a file they share.
-        path = os.path.join(tempfile.gettempdir(), f"ztrain_py_bmt_{os.getppid()}.pt")
-        bmt.save(model, path)
-        saved = torch.load(path, weights_only=True)
-        self.assertEqual(sorted(saved), sorted(state))
-        for name, value in state.items():
-            torch.testing.assert_close(saved[name], value, atol=0, rtol=0, msg=name)
-        fresh = GPT()
-        bmt.load(fresh, path)
-        for name, value in fresh.state_dict().items():
-            torch.testing.assert_close(value, state[name], atol=0, rtol=0, msg=name)
+        fresh, saved = check_save_and_load(self, model, state, GPT, "bmt")
+        # A file with a name the model lacks is refused, naming it.
         saved["extra"] = torch.zeros(1)
+        path = os.path.join(tempfile.gettempdir(), f"ztrain_py_bmt_bad_{os.getppid()}.pt")
         if bmt.rank() == 0:
-            torch.save(saved, path + ".bad")
+            torch.save(saved, path)
         bmt.synchronize()
         with self.assertRaisesRegex(bmt._C.Error, "extra"):
-            bmt.load(fresh, path + ".bad")
+            bmt.load(fresh, path)
         bmt.synchronize()
         if bmt.rank() == 0:
             os.remove(path)
-            os.remove(path + ".bad")
 
 
 class Pieces(unittest.TestCase):
