@@ -15,7 +15,8 @@
 # ZTRAIN_BACKEND=nccl and the labels gpu and nccl; each rank gets its own NCCL_HOSTID
 # (tests/support/nccl_rank.sh), so that ranks sharing one GPU — as on a one-GPU test machine —
 # may form an NCCL communicator. Where no CUDA device is visible those report as skipped, never
-# as passed.
+# as passed; on a machine without an NVIDIA device node they skip without starting
+# (tests/support/gpu_gate.sh).
 include_guard(GLOBAL)
 
 find_package(GTest REQUIRED)
@@ -57,6 +58,10 @@ function(ztrain_add_test)
     set(labels "${T_LABELS}")
     set(skip "")
     set(wrapper "")
+    set(gate "")
+    if(NOT device STREQUAL "cpu")
+      set(gate ${PROJECT_SOURCE_DIR}/tests/support/gpu_gate.sh)
+    endif()
     if(device STREQUAL "cuda")
       set(suffix ".cuda")
       set(env ";ZTRAIN_DEVICE=cuda")
@@ -70,14 +75,14 @@ function(ztrain_add_test)
       set(wrapper ${PROJECT_SOURCE_DIR}/tests/support/nccl_rank.sh)
     endif()
     if(NOT T_RANKS AND NOT device STREQUAL "nccl")
-      add_test(NAME ${T_NAME}${suffix} COMMAND ${T_NAME} ${T_ARGS})
+      add_test(NAME ${T_NAME}${suffix} COMMAND ${gate} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
       set_tests_properties(${T_NAME}${suffix} PROPERTIES
         TIMEOUT ${T_TIMEOUT} LABELS "unit;${labels}"
         ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=1${env}" ${skip})
     endif()
     foreach(n IN LISTS T_RANKS)
       add_test(NAME ${T_NAME}.np${n}${suffix}
-        COMMAND ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} ${wrapper} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
+        COMMAND ${gate} ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} ${wrapper} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
       set_tests_properties(${T_NAME}.np${n}${suffix} PROPERTIES
         TIMEOUT ${T_TIMEOUT} LABELS "mpi;${labels}" PROCESSORS ${n}
         ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=${n}${env}" ${skip})
