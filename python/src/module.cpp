@@ -2,6 +2,7 @@
 // cross the boundary as the same tensors (no copy); ztrain::Error and ztrain::CommError arrive
 // as ztrain.Error and ztrain.CommError with the native message; blocking calls release the GIL.
 #include <ztrain/ckpt/model_file.h>
+#include <ztrain/ckpt/optimizer_state.h>
 #include <ztrain/optim/adam.h>
 #include <ztrain/optim/adam_offload.h>
 #include <ztrain/optim/optim_manager.h>
@@ -368,6 +369,16 @@ PYBIND11_MODULE(_C, m) {
       [](const Blocks& blocks, const NamedTensors& params, const std::string& path, bool strict) {
         zt::load(*model_view(blocks, params), path, {.strict = strict});
       },
+      release());
+  m.def(
+      "_save_optimizer",
+      [](const Blocks& blocks, const NamedTensors& params, const std::shared_ptr<NativeAdam>& opt,
+         const std::string& path) { zt::save_optimizer_state(*model_view(blocks, params), opt->optimizer(), path); },
+      release());
+  m.def(
+      "_load_optimizer",
+      [](const Blocks& blocks, const NamedTensors& params, const std::shared_ptr<NativeAdam>& opt,
+         const std::string& path) { zt::load_optimizer_state(*model_view(blocks, params), opt->optimizer(), path); },
       release());
 
   m.def(

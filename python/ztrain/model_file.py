@@ -23,6 +23,30 @@ def load(model, path, strict=True):
     _C._load(*native_view(model), str(path), strict)
 
 
+def save_optimizer(model, optimizer, path):
+    """Writes the state of `optimizer` (a ztrain.optim AdamW or Adam over `model`'s parameters or
+    Blocks' shards) to the safetensors file `path`: every state tensor under
+    "<parameter name>.<state>" with the parameter's full shape, the step counters in the
+    metadata (the C++ save_optimizer_state). Collective; the file does not depend on the world
+    size or ZeRO level that wrote it. Hyperparameters are not stored: the run that loads decides."""
+    _C._save_optimizer(*native_view(model), _native_optimizer("save_optimizer", optimizer), str(path))
+
+
+def load_optimizer(model, optimizer, path):
+    """Reads a file of save_optimizer into `optimizer`, written at any world size and ZeRO level
+    (each rank takes the elements it holds). Collective."""
+    _C._load_optimizer(*native_view(model), _native_optimizer("load_optimizer", optimizer), str(path))
+
+
+def _native_optimizer(what, optimizer):
+    from .optim import AdamOffload, _NativeAdam
+    if not isinstance(optimizer, _NativeAdam) or isinstance(optimizer, AdamOffload):
+        raise _C.Error(f"{what}: takes a ztrain.optim.AdamW or Adam, got {type(optimizer).__name__} "
+                       "(torch optimizers: torch.save(optimizer.state_dict()) on each rank)")
+    optimizer._native.wait()
+    return optimizer._native
+
+
 def init_parameters(model, seed=None, init=None):
     """Initialises every parameter of `model` independently of the number of ranks (the C++
     init_parameters): each is drawn in full, in fp32, from a generator seeded from `seed` (default:

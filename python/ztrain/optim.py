@@ -18,8 +18,19 @@ class _NativeAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr, betas, eps, weight_decay, num_threads, native=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self._native = native or _C._Adam([(list(g["params"]), self._hyper(g)) for g in self.param_groups],
-                                          self._decoupled, num_threads)
+        self._num_threads = num_threads
+        self._native = native or self._native_over_groups()
+
+    def _native_over_groups(self):
+        return _C._Adam([(list(g["params"]), self._hyper(g)) for g in self.param_groups], self._decoupled,
+                        self._num_threads)
+
+    def _retarget(self, params):
+        """Makes this optimizer (one group, no state yet) update `params` instead, with the same
+        hyperparameters: what the Booster does after a plugin moved the model's parameters into
+        the engine's buffers."""
+        self.param_groups[0]["params"] = list(params)
+        self._native = self._native_over_groups()
 
     @staticmethod
     def _hyper(group):

@@ -1,0 +1,263 @@
+"""Booster: one training loop, the parallelism chosen by a plugin (the C++ Booster's, in
+ColossalAI's shape) for Python models.
+
+    model = GPT(config)                                          # a plain torch.nn.Module
+    optimizer = ztrain.optim.AdamW(model.parameters(), lr=3e-4)
+    booster = ztrain.booster.Booster(ztrain.booster.FullyShardPlugin(), max_grad_norm=1.0)
+    model, optimizer, *_ = booster.boost(model, optimizer)      # collective
+    for x, y in loader:                                          # each rank its own batches
+        optimizer.zero_grad()
+        booster.backward(loss_fn(model(x), y), optimizer)
+        optimizer.step()                  # clipped; skipped on every rank if one saw inf/NaN
+    booster.save_model(model, "model.safetensors")               # any plugin, world size
+    booster.save_optimizer(optimizer, "optim.safetensors")       #   and level loads them
+
+Plugins say how far the ranks split the model (ZeRO's stages; every plugin averages gradients
+over the data-parallel group, as DDP does):
+
+- DataParallelPlugin(): every rank keeps everything; gradients all-reduced while backward runs
+  (ZeRO level 0, as DDP).
+- LowLevelZeroPlugin(stage=1|2): the optimizer state (1) and the gradients (2) sharded over the
+  ranks (ColossalAI's LowLevelZeroPlugin, ZeRO levels 1 and 2).
+- FullyShardPlugin(use_checkpoint=False): the parameters too, gathered per unit around its
+  forward and backward, the next unit's gather overlapping this one's compute (ZeRO-3, FSDP).
+
+Each plugin wraps the model's *units* — by default every module held in a torch.nn.ModuleList
+(the layer stacks of transformer models); `wrap` takes module classes instead (FSDP's
+ModuleWrapPolicy) or a callable (name, module) -> bool — in a ztrain.Block of its level, in place,
+and links the units of one list for prefetch. Parameters outside the units (embeddings, final
+norms, a head tied to the embedding) stay plain tensors, broadcast from rank 0 at boost() and
+replicated; their gradients are averaged over the data-parallel group when backward ends (one
+all-reduce per dtype; a parameter without a gradient counts as zero), and the optimizer updates
+them on every rank alike. A unit is called with its tensors positionally and returns a tensor or
+a tuple of tensors (ztrain.Block's contract); no parameter may be shared between a unit and
+anything else.
+
+boost() keeps the caller's optimizer object (a ztrain.optim AdamW or Adam over the model's
+parameters, in one param group, not yet stepped): it now updates the units' shards and the
+other parameters, and an LR scheduler built on it goes on working. It returns a wrapper whose
+step() clips the global gradient norm (max_grad_norm) and steps through
+ztrain.optim.OptimManager (loss scaling, the step skipped everywhere on an overflow); step the
+scheduler after it as usual. Every rank makes the same calls in the same order.
+"""
+import contextlib
+
+import torch
+
+from . import _C
+from .block import Block, no_sync as _block_no_sync
+from .model_file import load, load_optimizer, save, save_optimizer
+from .optim import AdamOffload, OptimManager, _NativeAdam
+
+
+class Plugin:
+    """Wraps a model's units in Blocks of one ZeRO level (the plugins below)."""
+
+    def __init__(self, zero_level, wrap=None, use_checkpoint=False, prefetch_depth=1):
+        if isinstance(wrap, type):
+            wrap = (wrap,)
+        if wrap is not None and not callable(wrap) and not (
+                isinstance(wrap, tuple) and all(isinstance(c, type) for c in wrap)):
+            raise _C.Error(f"{type(self).__name__}: wrap takes module classes or a callable (name, module) -> bool, "
+                           f"got {wrap!r}")
+        self.zero_level = zero_level
+        self.wrap = wrap
+        self.use_checkpoint = use_checkpoint
+        self.prefetch_depth = prefetch_depth
+
+    def _is_unit(self, name, module, parent):
+        if self.wrap is None:
+            return isinstance(parent, torch.nn.ModuleList) and any(True for _ in module.parameters())
+        if isinstance(self.wrap, tuple):
+            return isinstance(module, self.wrap)
+        return bool(self.wrap(name, module))
+
+    def configure(self, model):
+        """Wraps `model`'s units in place (collective); returns their names."""
+        units = []  # (name, parent, attribute, module)
+
+        def visit(prefix, parent):
+            for attribute, child in parent.named_children():
+                name = prefix + attribute
+                if isinstance(child, Block):
+                    raise _C.Error(f"{type(self).__name__}: '{name}' is a ztrain.Block already; boost a plain model")
+                if self._is_unit(name, child, parent):
+                    units.append((name, parent, attribute, child))
+                else:
+                    visit(name + ".", child)
+
+        visit("", model)
+        if not units:
+            raise _C.Error(f"{type(self).__name__}: found no unit to wrap in {type(model).__name__} (by default the "
+                           "modules of a torch.nn.ModuleList); pass wrap=(LayerClass,) or wrap=lambda name, module: ...")
+        owner = {}
+        for name, _, _, module in units:
+            for p in module.parameters():
+                owner[id(p)] = name
+        for name, p in model.named_parameters(remove_duplicate=False):
+            unit = owner.get(id(p))
+            if unit is not None and not (name == unit or name.startswith(unit + ".")):
+                raise _C.Error(f"{type(self).__name__}: the parameter '{name}' is shared with the unit '{unit}'; "
+                               "a unit's parameters are sharded with it and cannot be used outside it")
+        lists = {}
+        for name, parent, attribute, module in units:
+            block = Block(module, self.zero_level, self.use_checkpoint)
+            setattr(parent, attribute, block)
+            lists.setdefault(id(parent), []).append(block)
+        for blocks in lists.values():
+            _C._link_blocks([b._native for b in blocks], self.prefetch_depth)
+        return [name for name, _, _, _ in units]
+
+
+class DataParallelPlugin(Plugin):
+    """Replicas with gradients all-reduced while backward runs (DDP; ZeRO level 0)."""
+
+    def __init__(self, wrap=None):
+        super().__init__(0, wrap)
+
+
+class LowLevelZeroPlugin(Plugin):
+    """Optimizer state (stage 1) and gradients (stage 2) sharded over the data-parallel ranks."""
+
+    def __init__(self, stage=2, wrap=None):
+        if stage not in (1, 2):
+            raise _C.Error(f"LowLevelZeroPlugin: stage must be 1 or 2, got {stage!r} (stage 3: FullyShardPlugin)")
+        super().__init__(stage, wrap)
+        self.stage = stage
+
+
+class FullyShardPlugin(Plugin):
+    """Parameters, gradients and optimizer state sharded; each unit's parameters gathered around
+    its forward and backward (ZeRO-3, FSDP), with recomputation if use_checkpoint."""
+
+    def __init__(self, wrap=None, use_checkpoint=False, prefetch_depth=1):
+        super().__init__(3, wrap, use_checkpoint, prefetch_depth)
+
+
+class BoostedOptimizer:
+    """The optimizer boost() returns: step() clips and steps through ztrain.optim.OptimManager;
+    everything else (param_groups, state_dict, …) is the wrapped optimizer's."""
+
+    def __init__(self, optimizer, manager, max_grad_norm):
+        self.optim = optimizer
+        self._manager = manager
+        self._max_grad_norm = max_grad_norm
+        self.last_grad_norm = float("nan")
+
+    def zero_grad(self, set_to_none=True):
+        self._manager.zero_grad()
+
+    def step(self):
+        """Clips (max_grad_norm > 0) and applies the step unless a rank found an inf or NaN
+        (collective). Returns whether it was applied."""
+        if self._max_grad_norm > 0:
+            self.last_grad_norm = self._manager.clip_grad_norm(self._max_grad_norm)
+        return self._manager.step()
+
+    @property
+    def loss_scale(self):
+        return self._manager.loss_scale
+
+    def __getattr__(self, name):
+        return getattr(self.optim, name)
+
+
+class Booster:
+    """Runs the steps around a plugin: loss scaling (loss_scale: None = off, a number = dynamic
+    from there, as OptimManager), clipping to max_grad_norm (0: none), saves and loads."""
+
+    def __init__(self, plugin, max_grad_norm=0.0, loss_scale=None):
+        if not isinstance(plugin, Plugin):
+            raise _C.Error(f"Booster: the plugin must be a ztrain.booster plugin, got {type(plugin).__name__}")
+        self.plugin = plugin
+        self.max_grad_norm = float(max_grad_norm)
+        self.loss_scale = loss_scale
+        self._model = None
+        self._replicated = []
+        self._sync = True
+
+    def boost(self, model, optimizer, criterion=None, dataloader=None, lr_scheduler=None):
+        """Wraps `model`'s units in place and re-targets `optimizer` at what the ranks now train
+        (collective). Returns (model, boosted optimizer, criterion, dataloader, lr_scheduler), the
+        others as given."""
+        if self._model is not None:
+            raise _C.Error("Booster: boost() was called already; a booster boosts one model")
+        if not isinstance(optimizer, _NativeAdam) or isinstance(optimizer, AdamOffload):
+            raise _C.Error(f"Booster: the optimizer must be a ztrain.optim.AdamW or Adam over the model's parameters, "
+                           f"got {type(optimizer).__name__}")
+        if len(optimizer.param_groups) != 1:
+            raise _C.Error(f"Booster: the optimizer has {len(optimizer.param_groups)} param groups; a unit's "
+                           "parameters are sharded together, so build it with one group")
+        if optimizer.state:
+            raise _C.Error("Booster: the optimizer has stepped already; boost before the first step")
+        params = {id(p) for p in model.parameters()}
+        if {id(p) for p in optimizer.param_groups[0]["params"]} != params:
+            raise _C.Error("Booster: the optimizer's parameters are not the model's (build it over "
+                           "model.parameters())")
+        self.plugin.configure(model)
+        self._replicated = [p for p in model.parameters() if not hasattr(p, "_native")]
+        for p in self._replicated:
+            _C._broadcast(p.data, 0, "dp")
+        optimizer._retarget(list(model.parameters()))
+        manager = OptimManager(model, loss_scale=self.loss_scale)
+        manager.add_optimizer(optimizer)
+        self._model = model
+        self._optimizer = BoostedOptimizer(optimizer, manager, self.max_grad_norm)
+        return model, self._optimizer, criterion, dataloader, lr_scheduler
+
+    def backward(self, loss, optimizer):
+        """Backward of the (scaled) loss; the gradients averaged over the data-parallel group
+        when it returns (summed on this rank only inside no_sync)."""
+        optimizer._manager.backward(loss)
+        if self._sync:
+            self._average_replicated()
+
+    def _average_replicated(self):
+        by_dtype = {}
+        for p in self._replicated:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            _C._all_reduce(flat, "avg", "dp")
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    @contextlib.contextmanager
+    def no_sync(self, model=None, optimizer=None):
+        """Backward passes inside keep their gradients on this rank, summed; the first backward
+        after it averages the sums (gradient accumulation that communicates once per step)."""
+        self._sync = False
+        try:
+            with _block_no_sync(self._boosted("no_sync")):
+                yield
+        finally:
+            self._sync = True
+
+    def save_model(self, model, path):
+        """The model file: full tensors under the plain model's names (ztrain.save). Collective."""
+        save(model, path)
+
+    def load_model(self, model, path, strict=True):
+        """A model file of any world size, plugin or level (ztrain.load). Collective."""
+        load(model, path, strict)
+
+    def save_optimizer(self, optimizer, path):
+        """The optimizer state, resharding (ztrain.save_optimizer). Collective."""
+        save_optimizer(self._boosted("save_optimizer"), _unwrap(optimizer), path)
+
+    def load_optimizer(self, optimizer, path):
+        load_optimizer(self._boosted("load_optimizer"), _unwrap(optimizer), path)
+
+    def _boosted(self, what):
+        if self._model is None:
+            raise _C.Error(f"Booster.{what}: boost() a model first")
+        return self._model
+
+
+def _unwrap(optimizer):
+    return optimizer.optim if isinstance(optimizer, BoostedOptimizer) else optimizer

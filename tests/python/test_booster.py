@@ -1,0 +1,202 @@
+"""ztrain.booster over a plain Python model against single-process PyTorch (torch.optim.AdamW,
+clip_grad_norm_ over the whole batch): every plugin at every world size it is launched with,
+resuming from saved model and optimizer files, gradient accumulation under no_sync, and the
+errors of a wrong optimizer or model."""
+import contextlib
+import os
+import tempfile
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+import ztrain
+from ztrain.booster import Booster, DataParallelPlugin, FullyShardPlugin, LowLevelZeroPlugin
+
+VOCAB, WIDTH, LAYERS, BATCH, SEQ, LR, CLIP = 32, 16, 3, 8, 6, 1e-2, 0.5
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.fc1 = torch.nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = torch.nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, a ModuleList of layers, a final norm and a head tied to the embedding."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.norm = torch.nn.LayerNorm(WIDTH)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = F.linear(self.norm(x), self.embed.weight)
+        return F.cross_entropy(logits.view(-1, VOCAB), ids.roll(-1, dims=1).view(-1))
+
+
+def batch(step):
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
+
+
+def local(ids):
+    n, r = ztrain.world_size(), ztrain.rank()
+    return ids[r * BATCH // n:(r + 1) * BATCH // n]
+
+
+PLUGINS = {
+    "ddp": lambda: DataParallelPlugin(),
+    "zero1": lambda: LowLevelZeroPlugin(stage=1),
+    "zero2": lambda: LowLevelZeroPlugin(stage=2),
+    "fsdp": lambda: FullyShardPlugin(),
+    "fsdp_checkpoint": lambda: FullyShardPlugin(use_checkpoint=True, wrap=Layer),
+}
+
+
+def reference(steps):
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(batch(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def boosted(plugin):
+    model = TinyLM()
+    optimizer = ztrain.optim.AdamW(model.parameters(), lr=LR)
+    booster = Booster(plugin, max_grad_norm=CLIP)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    return booster, model, optimizer
+
+
+def train(booster, model, optimizer, steps, first=0):
+    losses = []
+    for step in range(first, first + steps):
+        optimizer.zero_grad()
+        loss = model(local(batch(step)))
+        booster.backward(loss, optimizer)
+        assert optimizer.step()
+        losses.append(ztrain.sum_loss(loss).item())
+    return losses
+
+
+class Plugins(unittest.TestCase):
+    def test_every_plugin_equals_one_process(self):
+        want_losses, want_params = reference(4)
+        for name, make in PLUGINS.items():
+            with self.subTest(plugin=name):
+                booster, model, optimizer = boosted(make())
+                losses = train(booster, model, optimizer, 4)
+                torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+                got = ztrain.state_dict(model)
+                self.assertEqual(set(got), set(want_params))
+                for key, value in want_params.items():
+                    torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+                self.assertGreater(optimizer.last_grad_norm, 0)
+
+    def test_units_are_blocks_of_the_plugins_level(self):
+        for name, level in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("fsdp", 3)):
+            _, model, _ = boosted(PLUGINS[name]())
+            self.assertEqual([layer.zero_level for layer in model.layers], [level] * LAYERS)
+            self.assertIsInstance(model.embed.weight, torch.nn.Parameter)  # replicated, outside the units
+
+    def test_resume_from_saved_files_continues_exactly(self):
+        # The ranks of one job share the launcher's process id (as test_model_file.py's files).
+        prefix = os.path.join(tempfile.gettempdir(), f"ztrain_py_booster_{os.getppid()}")
+        model_file, optim_file = prefix + ".model.safetensors", prefix + ".optim.safetensors"
+        try:
+            for name, other in (("zero1", "zero2"), ("fsdp", "ddp")):
+                with self.subTest(plugin=name):
+                    booster, model, optimizer = boosted(PLUGINS[name]())
+                    train(booster, model, optimizer, 2)
+                    booster.save_model(model, model_file)
+                    booster.save_optimizer(optimizer, optim_file)
+                    want = train(booster, model, optimizer, 2, first=2)
+                    # Another plugin loads them: the files do not depend on the level.
+                    booster, model, optimizer = boosted(PLUGINS[other]())
+                    booster.load_model(model, model_file)
+                    booster.load_optimizer(optimizer, optim_file)
+                    got = train(booster, model, optimizer, 2, first=2)
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        finally:
+            ztrain.synchronize()
+            if ztrain.rank() == 0:
+                for path in (model_file, optim_file):
+                    if os.path.exists(path):
+                        os.remove(path)
+
+    def test_no_sync_accumulates_and_reduces_once(self):
+        ref = TinyLM()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        for step in (0, 1):
+            (ref(batch(step)) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        booster, model, optimizer = boosted(PLUGINS["zero2"]())
+        optimizer.zero_grad()
+        for step in (0, 1):
+            with booster.no_sync(model) if step == 0 else contextlib.nullcontext():
+                booster.backward(model(local(batch(step))) / 2, optimizer)
+        self.assertTrue(optimizer.step())
+        got = ztrain.state_dict(model)
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+class Errors(unittest.TestCase):
+    def test_a_torch_optimizer_is_refused_with_the_alternative(self):
+        model = TinyLM()
+        with self.assertRaisesRegex(ztrain.Error, "must be a ztrain.optim.AdamW or Adam .*got AdamW"):
+            Booster(DataParallelPlugin()).boost(model, torch.optim.AdamW(model.parameters()))
+
+    def test_param_groups_are_refused(self):
+        model = TinyLM()
+        groups = [{"params": [model.embed.weight]}, {"params": list(model.layers.parameters()) +
+                                                     list(model.norm.parameters()), "weight_decay": 0.0}]
+        with self.assertRaisesRegex(ztrain.Error, "has 2 param groups"):
+            Booster(FullyShardPlugin()).boost(model, ztrain.optim.AdamW(groups))
+
+    def test_an_optimizer_over_other_parameters_is_refused(self):
+        model = TinyLM()
+        with self.assertRaisesRegex(ztrain.Error, "not the model's"):
+            Booster(FullyShardPlugin()).boost(model, ztrain.optim.AdamW(model.layers.parameters()))
+
+    def test_a_model_without_units_names_the_wrap_option(self):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        with self.assertRaisesRegex(ztrain.Error, "found no unit to wrap in Sequential.*wrap="):
+            Booster(FullyShardPlugin()).boost(model, ztrain.optim.AdamW(model.parameters()))
+
+    def test_a_parameter_shared_with_a_unit_is_refused(self):
+        model = TinyLM()
+        model.head = torch.nn.Linear(WIDTH, WIDTH)
+        model.head.weight = model.layers[0].fc1.weight
+        with self.assertRaisesRegex(ztrain.Error, "'head.weight' is shared with the unit 'layers.0'"):
+            Booster(FullyShardPlugin()).boost(model, ztrain.optim.AdamW(model.parameters()))
+
+    def test_a_wrong_stage_and_a_second_boost(self):
+        with self.assertRaisesRegex(ztrain.Error, "stage must be 1 or 2, got 3"):
+            LowLevelZeroPlugin(stage=3)
+        booster, model, optimizer = boosted(DataParallelPlugin())
+        with self.assertRaisesRegex(ztrain.Error, "boost\\(\\) was called already"):
+            booster.boost(model, optimizer.optim)
+
+
+if __name__ == "__main__":
+    ztrain.init_distributed(seed=0)
+    unittest.main()
