@@ -1,18 +1,26 @@
 # One helper registers every test.
 #
 #   ztrain_add_test(NAME comm_test SOURCES a.cpp b.cpp [RANKS 1 2 4] [TIMEOUT 120] [LABELS ...]
-#                   [NO_INIT] [GPU] [NCCL])
+#                   [ARGS ...] [ENV VAR=value ...] [NO_INIT] [GPU] [NCCL])
 #
-# Builds an executable from SOURCES (linked with GoogleTest and the shared MPI-aware test main)
-# and registers it with CTest. Without RANKS it is a unit test run as a plain process (world size
-# 1). With RANKS it is registered once per rank count as NAME.npN, launched under mpirun; the
-# test main receives the expected world size in ZTRAIN_TEST_WORLD_SIZE and fails when it does not
-# get it, so a launcher mistake can never pass silently. NO_INIT leaves init_distributed to the
-# test itself (tests of initialisation). GPU registers every launch once more as NAME[.npN].cuda
-# with ZTRAIN_DEVICE=cuda (the runtime's device; several ranks share the GPUs there are) and the
-# label gpu: `ctest -L gpu` (scripts/gpu_check.sh). NCCL (in builds with the nccl backend)
-# registers each multi-rank launch once more as NAME.npN.nccl, on the GPU with
-# ZTRAIN_BACKEND=nccl and the labels gpu and nccl; each rank gets its own NCCL_HOSTID
+# Every test of a directory is built into one program, <directory>_tests (tests/comm/*.cpp ->
+# comm_tests, a unity build linked with GoogleTest and the shared MPI-aware test main): each
+# translation unit that includes libtorch costs some 25 s of compiler time before its own code, so
+# one program per directory instead of one per test halves the build of the tests. Each test runs
+# only the suites its own SOURCES define (a --gtest_filter made from their TEST, TEST_F and TEST_P
+# lines; a --gtest_filter in ARGS that excludes (-X) narrows it, one that selects replaces it).
+# ENV adds to the test's environment. ztrain_test_program(var dir) names the program for
+# launches registered by hand.
+#
+# Without RANKS a test is a unit test run as a plain process (world size 1). With RANKS it is
+# registered once per rank count as NAME.npN, launched under mpirun; the test main receives the
+# expected world size in ZTRAIN_TEST_WORLD_SIZE and fails when it does not get it, so a launcher
+# mistake can never pass silently. NO_INIT (ZTRAIN_TEST_NO_INIT=1 in the test's environment)
+# leaves init_distributed to the test itself (tests of initialisation). GPU registers every launch
+# once more as NAME[.npN].cuda with ZTRAIN_DEVICE=cuda (the runtime's device; several ranks share
+# the GPUs there are) and the label gpu: `ctest -L gpu` (scripts/gpu_check.sh). NCCL (in builds
+# with the nccl backend) registers each multi-rank launch once more as NAME.npN.nccl, on the GPU
+# with ZTRAIN_BACKEND=nccl and the labels gpu and nccl; each rank gets its own NCCL_HOSTID
 # (tests/support/nccl_rank.sh), so that ranks sharing one GPU — as on a one-GPU test machine —
 # may form an NCCL communicator. Where no CUDA device is visible those report as skipped, never
 # as passed; on a machine without an NVIDIA device node they skip without starting
@@ -36,20 +44,67 @@ set(ZTRAIN_TEST_ENV
 # ranks of an oversubscribed run would otherwise be packed onto the same core).
 set(ZTRAIN_MPIEXEC_FLAGS --oversubscribe --bind-to none)
 
+# The test program of a test directory (its last path component): tests/ckpt -> ckpt_tests.
+function(ztrain_test_program var dir)
+  get_filename_component(name ${dir} NAME)
+  set(${var} ${name}_tests PARENT_SCOPE)
+endfunction()
+
+# The --gtest_filter that selects every suite SOURCES define (TEST_P suites under any
+# instantiation prefix).
+function(ztrain_test_filter var)
+  set(patterns "")
+  foreach(source IN LISTS ARGN)
+    file(STRINGS ${CMAKE_CURRENT_SOURCE_DIR}/${source} lines REGEX "^TEST(_F|_P)?\\([A-Za-z0-9_]+,")
+    foreach(line IN LISTS lines)
+      string(REGEX REPLACE "^TEST(_F|_P)?\\(([A-Za-z0-9_]+),.*" "\\2" suite "${line}")
+      if(line MATCHES "^TEST_P")
+        list(APPEND patterns "*/${suite}.*")
+      else()
+        list(APPEND patterns "${suite}.*")
+      endif()
+    endforeach()
+  endforeach()
+  list(REMOVE_DUPLICATES patterns)
+  if(NOT patterns)
+    message(FATAL_ERROR "${ARGN}: no TEST, TEST_F or TEST_P found")
+  endif()
+  string(JOIN ":" filter ${patterns})
+  set(${var} ${filter} PARENT_SCOPE)
+endfunction()
+
 function(ztrain_add_test)
-  cmake_parse_arguments(T "NO_INIT;GPU;NCCL" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;ARGS" ${ARGN})
+  cmake_parse_arguments(T "NO_INIT;GPU;NCCL" "NAME;TIMEOUT" "SOURCES;RANKS;LABELS;ARGS;ENV" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
-  add_executable(${T_NAME} ${T_SOURCES})
+  ztrain_test_program(program ${CMAKE_CURRENT_SOURCE_DIR})
+  if(NOT TARGET ${program})
+    add_executable(${program})
+    target_link_libraries(${program} PRIVATE ztrain_test_main ztrain_warnings)
+    if(ZTRAIN_USE_PCH)
+      target_precompile_headers(${program} REUSE_FROM ztrain_test_main)
+    endif()
+  endif()
+  target_sources(${program} PRIVATE ${T_SOURCES})
+
+  ztrain_test_filter(filter ${T_SOURCES})
+  set(args "")
+  foreach(arg IN LISTS T_ARGS)
+    if(arg MATCHES "^--gtest_filter=-(.*)")
+      set(filter "${filter}-${CMAKE_MATCH_1}")
+    elseif(arg MATCHES "^--gtest_filter=(.*)")
+      set(filter "${CMAKE_MATCH_1}")
+    else()
+      list(APPEND args ${arg})
+    endif()
+  endforeach()
+  set(command $<TARGET_FILE:${program}> --gtest_filter=${filter} ${args})
+  set(base_env ${ZTRAIN_TEST_ENV} ${T_ENV})
   if(T_NO_INIT)
-    target_link_libraries(${T_NAME} PRIVATE ztrain_test_main_noinit ztrain_warnings)
-  else()
-    target_link_libraries(${T_NAME} PRIVATE ztrain_test_main ztrain_warnings)
+    list(APPEND base_env ZTRAIN_TEST_NO_INIT=1)
   endif()
-  if(ZTRAIN_USE_PCH)
-    target_precompile_headers(${T_NAME} REUSE_FROM ztrain_test_main)
-  endif()
+
   set(devices cpu)
   if(T_GPU)
     list(APPEND devices cuda)
@@ -66,31 +121,30 @@ function(ztrain_add_test)
     set(gate "")
     if(NOT device STREQUAL "cpu")
       set(gate ${PROJECT_SOURCE_DIR}/tests/support/gpu_gate.sh)
+      set(skip SKIP_REGULAR_EXPRESSION "sees no CUDA device")
     endif()
     if(device STREQUAL "cuda")
       set(suffix ".cuda")
       set(env ";ZTRAIN_DEVICE=cuda")
       list(APPEND labels gpu)
-      set(skip SKIP_REGULAR_EXPRESSION "sees no CUDA device")
     elseif(device STREQUAL "nccl")
       set(suffix ".nccl")
       set(env ";ZTRAIN_DEVICE=cuda;ZTRAIN_BACKEND=nccl")
       list(APPEND labels gpu nccl)
-      set(skip SKIP_REGULAR_EXPRESSION "sees no CUDA device")
       set(wrapper ${PROJECT_SOURCE_DIR}/tests/support/nccl_rank.sh)
     endif()
     if(NOT T_RANKS AND NOT device STREQUAL "nccl")
-      add_test(NAME ${T_NAME}${suffix} COMMAND ${gate} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
+      add_test(NAME ${T_NAME}${suffix} COMMAND ${gate} ${command})
       set_tests_properties(${T_NAME}${suffix} PROPERTIES
         TIMEOUT ${T_TIMEOUT} LABELS "unit;${labels}"
-        ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=1${env}" ${skip})
+        ENVIRONMENT "${base_env};ZTRAIN_TEST_WORLD_SIZE=1${env}" ${skip})
     endif()
     foreach(n IN LISTS T_RANKS)
       add_test(NAME ${T_NAME}.np${n}${suffix}
-        COMMAND ${gate} ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} ${wrapper} $<TARGET_FILE:${T_NAME}> ${T_ARGS})
+        COMMAND ${gate} ${ZTRAIN_MPIEXEC} -np ${n} ${ZTRAIN_MPIEXEC_FLAGS} ${wrapper} ${command})
       set_tests_properties(${T_NAME}.np${n}${suffix} PROPERTIES
         TIMEOUT ${T_TIMEOUT} LABELS "mpi;${labels}" PROCESSORS ${n}
-        ENVIRONMENT "${ZTRAIN_TEST_ENV};ZTRAIN_TEST_WORLD_SIZE=${n}${env}" ${skip})
+        ENVIRONMENT "${base_env};ZTRAIN_TEST_WORLD_SIZE=${n}${env}" ${skip})
     endforeach()
   endforeach()
 endfunction()

@@ -29,8 +29,9 @@ if [[ $mode == thread ]]; then
   build=${ZTRAIN_SANITIZE_BUILD_DIR:-$root/build-tsan}
   tests=(comm_stream_test communicator_test host_shared_test block_test block_parity_test adam_test
          adam_offload_test optim_manager_test checkpoint_test optimizer_state_test booster_test plugin_parity_test)
+  programs=(comm_tests zero_tests optim_tests ckpt_tests booster_tests)  # the test programs holding them
   mkdir -p "$build"
-  ZTRAIN_BUILD_DIR=$build ZTRAIN_BUILD_TARGETS="${tests[*]}" "$root/scripts/build.sh" -DZTRAIN_SANITIZE=thread \
+  ZTRAIN_BUILD_DIR=$build ZTRAIN_BUILD_TARGETS="${programs[*]}" "$root/scripts/build.sh" -DZTRAIN_SANITIZE=thread \
     -DZTRAIN_BUILD_BENCH=OFF -DZTRAIN_BUILD_APPS=OFF -DZTRAIN_BUILD_PYTHON=OFF >"$build/build.log" 2>&1 ||
     { tail -30 "$build/build.log"; echo "sanitize: the build failed"; exit 1; }
   export TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$root/scripts/sanitizers/tsan.supp:halt_on_error=1:second_deadlock_stack=1:history_size=7}

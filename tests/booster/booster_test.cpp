@@ -13,7 +13,7 @@
 #include <functional>
 
 namespace ztrain::test {
-namespace {
+namespace booster_test {
 
 constexpr int64_t kBatch = 2;  // sequences per rank and micro-batch
 constexpr int64_t kSeq = 8;
@@ -504,5 +504,5 @@ TEST(LowLevelZero, RefusesBadInput) {
   expect_refused({}, "the optimizer holds state already", true);
 }
 
-}  // namespace
+}  // namespace booster_test
 }  // namespace ztrain::test

@@ -11,7 +11,7 @@
 #include <set>
 
 namespace ztrain::test {
-namespace {
+namespace hybrid_parallel_test {
 
 std::shared_ptr<Plugin> hybrid(int tp, int zero_level, bool use_checkpoint = false, int pp = 1,
                                pipe::ScheduleKind schedule = pipe::ScheduleKind::k1F1B,
@@ -463,5 +463,5 @@ TEST(HybridParallel, APolicyThatDoesNotFitSaysWhere) {
   EXPECT_FALSE(path_matches("layers.*.wq", "layers.1.attention.wq"));
 }
 
-}  // namespace
+}  // namespace hybrid_parallel_test
 }  // namespace ztrain::test

@@ -13,7 +13,7 @@
 #include <map>
 
 namespace ztrain::test {
-namespace {
+namespace plugin_parity_test {
 std::vector<std::pair<std::string, std::function<std::shared_ptr<Plugin>()>>> plugins() {
   constexpr int64_t kBucket = 16 << 10;  // several buckets for these models
   return {
@@ -184,5 +184,5 @@ TEST(PluginParity, FullyShardPrefetchesInTheOrderTheLayersRan) {
   EXPECT_EQ(waits[true], (std::vector<int64_t>{5, 2, 2}));
 }
 
-}  // namespace
+}  // namespace plugin_parity_test
 }  // namespace ztrain::test

@@ -11,7 +11,7 @@
 #include <tuple>
 
 namespace ztrain::test {
-namespace {
+namespace checkpoint_test {
 
 namespace fs = std::filesystem;
 
@@ -195,5 +195,5 @@ TEST(Checkpoint, IncompleteSavesAreIgnoredAndOldOnesPruned) {
   if (rank() == 0) fs::remove_all(root);
 }
 
-}  // namespace
+}  // namespace checkpoint_test
 }  // namespace ztrain::test

@@ -9,7 +9,7 @@
 #include <filesystem>
 
 namespace ztrain::test {
-namespace {
+namespace model_file_test {
 
 /// A path every rank agrees on, in a directory all ranks of this host share.
 std::string shared_path(const std::string& stem) {
@@ -116,5 +116,5 @@ TEST(ModelFileAcrossWorldSizes, SaveAtFourLoadAtAny) {
   }
 }
 
-}  // namespace
+}  // namespace model_file_test
 }  // namespace ztrain::test

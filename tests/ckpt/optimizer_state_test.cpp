@@ -11,7 +11,7 @@
 #include <filesystem>
 
 namespace ztrain::test {
-namespace {
+namespace optimizer_state_test {
 
 using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>, double lr)>;
 
@@ -288,5 +288,5 @@ TEST(OptimizerStateAsyncErrors, UnwritablePathIsRethrownAtWait) {
   if (runtime().rank() == 0) std::filesystem::remove_all(dir);
 }
 
-}  // namespace
+}  // namespace optimizer_state_test
 }  // namespace ztrain::test

@@ -11,6 +11,8 @@
 
 #include "test_util.h"
 
+namespace safetensors_test {
+
 namespace fs = std::filesystem;
 namespace ck = ztrain::ckpt;
 using ztrain::test::error_message;
@@ -728,3 +730,5 @@ TEST(SafetensorsInterop, DISABLED_WritesAFileForPython) {
   }
   writer.commit();
 }
+
+}  // namespace safetensors_test

@@ -8,6 +8,8 @@
 #include <atomic>
 #include <thread>
 
+namespace comm_stream_test {
+
 using namespace std::chrono_literals;
 using ztrain::CommStream;
 using ztrain::test::error_message;
@@ -139,3 +141,5 @@ TEST(CommStream, EmptyWorkHandleIsAnError) {
   auto msg = error_message([&] { w.wait(); });
   EXPECT_NE(msg.find("empty Work handle"), std::string::npos) << msg;
 }
+
+}  // namespace comm_stream_test

@@ -9,6 +9,8 @@
 #include <ztrain/comm/backend.h>
 #include <ztrain/comm/mpi/transport.h>
 
+namespace communicator_test {
+
 using ztrain::ReduceOp;
 using ztrain::test::error_message;
 using ztrain::test::tensors_equal;
@@ -386,3 +388,5 @@ TEST(CommunicatorErrors, UnsupportedRequestsAreRejected) {
   c.all_reduce(t);
   EXPECT_EQ(t[0].item<float>(), static_cast<float>(c.size()));
 }
+
+}  // namespace communicator_test

@@ -4,6 +4,8 @@
 
 #include <ztrain/comm/backend.h>
 
+namespace debug_mode_test {
+
 using ztrain::test::error_message;
 
 namespace {
@@ -78,3 +80,5 @@ TEST(DebugMode, OnByDefaultFromTheEnvironmentOrOptions) {
   EXPECT_EQ(ztrain::runtime().world().debug(), expected);
   EXPECT_EQ(ztrain::runtime().dp().debug(), expected);
 }
+
+}  // namespace debug_mode_test

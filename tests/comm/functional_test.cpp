@@ -5,6 +5,8 @@
 
 #include <ztrain/comm/functional.h>
 
+namespace functional_test {
+
 namespace F = ztrain::functional;
 using ztrain::test::tensors_equal;
 
@@ -105,3 +107,5 @@ TEST(Functional, ScatterAndGatherAlongADimension) {
     EXPECT_NE(msg.find("does not divide"), std::string::npos) << msg;
   }
 }
+
+}  // namespace functional_test

@@ -9,6 +9,8 @@
 
 #include <numeric>
 
+namespace host_shared_test {
+
 using ztrain::test::error_message;
 using ztrain::test::peer_host_shared_mappings;
 
@@ -186,3 +188,5 @@ TEST(HostShared, MembersWithBuffersOfDifferentSizesGetAnError) {
   EXPECT_TRUE(x.eq(1).all().item<bool>());  // nothing was written
   c.barrier();  // the communicator is still usable
 }
+
+}  // namespace host_shared_test

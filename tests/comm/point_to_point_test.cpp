@@ -5,6 +5,8 @@
 
 #include <ztrain/comm/communicator.h>
 
+namespace point_to_point_test {
+
 using ztrain::test::error_message;
 using ztrain::test::tensors_equal;
 using ztrain::test::kDtypes;
@@ -59,3 +61,4 @@ TEST(PointToPoint, RecvOfTheWrongSizeIsReported) {
   c.barrier();
 }
 
+}  // namespace point_to_point_test

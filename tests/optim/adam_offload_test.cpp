@@ -6,7 +6,7 @@
 #include <filesystem>
 
 namespace ztrain::test {
-namespace {
+namespace adam_offload_test {
 
 using models::Gpt;
 using models::GptConfig;
@@ -131,5 +131,5 @@ TEST(AdamOffload, PlainParametersInStepShardsBeforeTheirUse) {
   for (const auto& p : b->parameters()) EXPECT_EQ(offload_opt.state_of(p)->step, 3);
 }
 
-}  // namespace
+}  // namespace adam_offload_test
 }  // namespace ztrain::test

@@ -14,6 +14,8 @@
 #include <sstream>
 #include <span>
 
+namespace adam_test {
+
 namespace zo = ztrain::optim;
 using zo::AdamKernel;
 using zo::AdamOptions;
@@ -1158,3 +1160,5 @@ TEST(AdamOptimizer, OptionsBehaveLikeTorchOptions) {
   EXPECT_TRUE(AdamOptions(1e-3) == AdamOptions());
   EXPECT_FALSE(AdamOptions(1e-3) == a);
 }
+
+}  // namespace adam_test

@@ -6,6 +6,8 @@
 #include <limits>
 #include <random>
 
+namespace loss_scaler_test {
+
 using ztrain::DynamicLossScaleOptions;
 using ztrain::LossScaleMode;
 using ztrain::LossScaler;
@@ -186,3 +188,5 @@ TEST(LossScaler, RejectsBadOptions) {
     EXPECT_NE(msg.find("static loss scale must be finite and > 0"), std::string::npos) << msg;
   }
 }
+
+}  // namespace loss_scaler_test

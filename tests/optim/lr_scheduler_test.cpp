@@ -7,6 +7,8 @@
 #include <memory>
 #include <numbers>
 
+namespace lr_scheduler_test {
+
 using ztrain::LRScheduler;
 using ztrain::LRSchedulerOptions;
 using ztrain::LRSchedulerState;
@@ -400,3 +402,5 @@ TEST(LRScheduler, RejectsBadOptions) {
                "decay_steps must be >= 0, got -1");
   expect_error([] { sched::NoDecay({.peak_lr = 1}).lr_at(-1); }, "step must be >= 0, got -1");
 }
+
+}  // namespace lr_scheduler_test

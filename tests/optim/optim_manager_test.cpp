@@ -5,7 +5,7 @@
 #include "test_util.h"
 
 namespace ztrain::test {
-namespace {
+namespace optim_manager_test {
 
 using optim::OptimManager;
 
@@ -103,5 +103,5 @@ TEST(OptimManager, StateRoundTripsAndSchedulesDriveTheLr) {
   EXPECT_NE(error_message([&] { wrong.load_state(state); }).find("optimizers"), std::string::npos);
 }
 
-}  // namespace
+}  // namespace optim_manager_test
 }  // namespace ztrain::test

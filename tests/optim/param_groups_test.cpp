@@ -7,7 +7,7 @@
 #include "test_util.h"
 
 namespace ztrain::test {
-namespace {
+namespace param_groups_test {
 
 constexpr double kLr = 0.1, kWd = 0.5;
 
@@ -125,5 +125,5 @@ TEST(WeightDecayGroups, GptDecaysItsLinearWeightsOnly) {
   }
 }
 
-}  // namespace
+}  // namespace param_groups_test
 }  // namespace ztrain::test

@@ -10,7 +10,7 @@
 #include <ztrain/pipe/boundary.h>
 
 namespace ztrain::pipe {
-namespace {
+namespace boundary_test {
 
 using test::error_message;
 using test::tensors_equal;
@@ -241,5 +241,5 @@ TEST(Boundary, AMalformedHeaderIsRefusedNamingTheSender) {
   }
 }
 
-}  // namespace
+}  // namespace boundary_test
 }  // namespace ztrain::pipe

@@ -21,7 +21,7 @@
 #include <fstream>
 
 namespace ztrain::test {
-namespace {
+namespace gpt_pipeline_test {
 
 using models::Gpt;
 using models::GptConfig;
@@ -45,6 +45,7 @@ std::string dir() { return env_string("ZTRAIN_PP_DIR", ""); }
 class PipelineEnvironment : public ::testing::Environment {
  public:
   void SetUp() override {
+    if (!runs_any_suite({"GptPipe"})) return;
     init_distributed({.seed = 5, .tp_size = env_int("ZTRAIN_TEST_TP", 1), .pp_size = env_int("ZTRAIN_TEST_PP", 1)});
     ASSERT_EQ(world_size(), expected_world_size()) << "launch with mpirun -np " << expected_world_size();
   }
@@ -235,5 +236,5 @@ TEST(GptPipe, RejectsBadInput) {
   EXPECT_TRUE(fails_with([&] { stages.booster->execute_pipeline({}); }, "at least one micro-batch"));
 }
 
-}  // namespace
+}  // namespace gpt_pipeline_test
 }  // namespace ztrain::test

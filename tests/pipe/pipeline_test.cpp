@@ -14,7 +14,7 @@
 #include <cstdlib>
 
 namespace ztrain::pipe {
-namespace {
+namespace pipeline_test {
 
 using test::error_message;
 using test::Layer;
@@ -37,7 +37,7 @@ int pipeline_size() {
 class PipelineEnvironment : public ::testing::Environment {
  public:
   void SetUp() override {
-    if (!is_initialized()) init_distributed({.pp_size = pipeline_size()});
+    if (test::runs_any_suite({"Partition", "Pipeline", "PipelineParity"})) init_distributed({.pp_size = pipeline_size()});
   }
 };
 const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new PipelineEnvironment);
@@ -312,5 +312,5 @@ TEST(Partition, ExplicitBoundsAreValidated) {
   EXPECT_NE(msg.find("end at the number of blocks 7"), std::string::npos) << msg;
 }
 
-}  // namespace
+}  // namespace pipeline_test
 }  // namespace ztrain::pipe

@@ -13,7 +13,7 @@
 #include <tuple>
 
 namespace ztrain::pipe {
-namespace {
+namespace schedule_test {
 
 using test::error_message;
 
@@ -312,5 +312,5 @@ TEST(Schedule, RejectsInvalidShapes) {
   EXPECT_EQ(parse_schedule_kind("interleaved"), ScheduleKind::kInterleaved1F1B);
 }
 
-}  // namespace
+}  // namespace schedule_test
 }  // namespace ztrain::pipe

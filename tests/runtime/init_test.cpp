@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <fstream>
 
+namespace init_test {
+
 using namespace std::chrono_literals;
 using ztrain::test::error_message;
 
@@ -199,3 +201,5 @@ TEST(Init, PrintRankPrintsOnOneRankOnly) {
   EXPECT_EQ(out, expected);
   ztrain::synchronize();
 }
+
+}  // namespace init_test

@@ -7,7 +7,7 @@
 #include "test_util.h"
 
 namespace ztrain::test {
-namespace {
+namespace parallel_context_test {
 
 using models::Gpt;
 using models::GptConfig;
@@ -139,5 +139,5 @@ TEST(ParallelContext, TwoSubMeshesAndTheWorldTrainWithSingleProcessParity) {
   if (gpt_half) expect_same_training(*gpt_half, *ref_gpt, "half 1, tp 2, ZeRO 1");
 }
 
-}  // namespace
+}  // namespace parallel_context_test
 }  // namespace ztrain::test

@@ -5,6 +5,8 @@
 
 #include <set>
 
+namespace topology_test {
+
 using ztrain::Coord;
 using ztrain::Topology;
 
@@ -67,3 +69,5 @@ TEST(Rng, StreamsDifferWhereRanksMustDifferAndAgreeElsewhere) {
   EXPECT_NE(data_parallel_seed(7, {0, 0, 0}), rank_seed(7, {0, 0, 0}));
   EXPECT_NE(derive(1, {2, 3}), derive(1, {3, 2}));
 }
+
+}  // namespace topology_test

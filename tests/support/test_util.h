@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace ztrain::test {
 
@@ -31,6 +33,25 @@ inline std::string shared_temp_dir(const std::string& stem) {
     std::filesystem::remove_all(dir);
   }
   return runtime().world().broadcast_bytes(dir, 0);
+}
+
+/// Whether this process runs a test of one of `suites` (a TEST_P suite under any instantiation
+/// prefix). A directory's tests share one program, each launch selecting its own file's suites
+/// (cmake/ZtrainTesting.cmake): a file's global environment sets up only for its own tests.
+inline bool runs_any_suite(const std::vector<std::string_view>& suites) {
+  const auto* unit = ::testing::UnitTest::GetInstance();
+  for (int i = 0; i < unit->total_test_suite_count(); ++i) {
+    const auto* suite = unit->GetTestSuite(i);
+    if (suite->test_to_run_count() == 0) continue;
+    const std::string_view name = suite->name();
+    for (const auto wanted : suites) {
+      if (name == wanted || (name.ends_with(wanted) && name.size() > wanted.size() &&
+                             name[name.size() - wanted.size() - 1] == '/')) {
+        return true;
+      }
+    }
+  }
+  return false;
 }
 
 /// The world size the test was registered for (ZTRAIN_TEST_WORLD_SIZE, set by ztrain_add_test).

@@ -15,9 +15,9 @@
 #include <fstream>
 
 namespace ztrain::test {
-namespace {
+namespace tp_gpt_test {
 
-[[maybe_unused]] const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new TensorParallelEnvironment);
+[[maybe_unused]] const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new TensorParallelEnvironment({"TpGpt"}));
 
 using models::Gpt;
 using models::GptConfig;
@@ -130,5 +130,5 @@ TEST(TpGpt, FileFromTp2Loads) {
   }
 }
 
-}  // namespace
+}  // namespace tp_gpt_test
 }  // namespace ztrain::test

@@ -4,9 +4,9 @@
 #include "tp_environment.h"
 
 namespace ztrain::test {
-namespace {
+namespace tp_layers_test {
 
-[[maybe_unused]] const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new TensorParallelEnvironment);
+[[maybe_unused]] const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new TensorParallelEnvironment({"TensorParallel"}));
 
 using tp::Split;
 
@@ -235,5 +235,5 @@ TEST(TensorParallel, SizesThatDoNotDivideAreRejected) {
   EXPECT_NE(msg.find("n_head (3) is not divisible by the tensor-parallel size"), std::string::npos) << msg;
 }
 
-}  // namespace
+}  // namespace tp_layers_test
 }  // namespace ztrain::test

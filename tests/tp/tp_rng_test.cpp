@@ -8,9 +8,9 @@
 #include <ztrain/runtime/tp_rng.h>
 
 namespace ztrain::test {
-namespace {
+namespace tp_rng_test {
 
-[[maybe_unused]] const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new TensorParallelEnvironment);
+[[maybe_unused]] const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new TensorParallelEnvironment({"TensorParallelRng"}));
 
 /// Whether `t` is the same on every rank of the tp group.
 bool same_across_tp(const torch::Tensor& t) {
@@ -101,5 +101,5 @@ TEST(TensorParallelRng, GptAttentionDrawsItsDropoutFromTheTracker) {
   EXPECT_FALSE(torch::equal(before[0], after[0])) << "attention dropout did not draw from the tracker";
 }
 
-}  // namespace
+}  // namespace tp_rng_test
 }  // namespace ztrain::test

@@ -7,7 +7,7 @@
 #include "zero_model.h"
 
 namespace ztrain::test {
-namespace {
+namespace block_parity_test {
 
 constexpr int64_t kBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
 constexpr int64_t kSeq = 8;
@@ -122,5 +122,5 @@ INSTANTIATE_TEST_SUITE_P(Levels, BlockParity, ::testing::ValuesIn(all_configs())
                   info.param.as_one ? "_asone" : "_loop");
 });
 
-}  // namespace
+}  // namespace block_parity_test
 }  // namespace ztrain::test

@@ -4,7 +4,7 @@
 #include "zero_model.h"
 
 namespace ztrain::test {
-namespace {
+namespace block_test {
 
 /// Two inputs (one may not require grad), a tuple of two outputs, an int argument passed through.
 struct TwoWayImpl : torch::nn::Module {
@@ -325,5 +325,5 @@ TEST(DistributedParameterTest, AnOutputWithoutBackwardDoesNotKeepItAlive) {
   }
 }
 
-}  // namespace
+}  // namespace block_test
 }  // namespace ztrain::test

@@ -8,7 +8,7 @@
 #include <filesystem>
 
 namespace ztrain::test {
-namespace {
+namespace device_test {
 
 namespace fs = std::filesystem;
 namespace zo = ztrain::optim;
@@ -216,5 +216,5 @@ TEST(Device, CheckpointSavedOnTheDeviceLoadsOnTheCpuAndBack) {
   if (runtime().rank() == 0) fs::remove_all(root);
 }
 
-}  // namespace
+}  // namespace device_test
 }  // namespace ztrain::test

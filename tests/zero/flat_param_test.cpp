@@ -2,6 +2,8 @@
 
 #include <ztrain/zero/flat_param.h>
 
+namespace flat_param_test {
+
 using ztrain::FlatParamLayout;
 using ztrain::ShardPiece;
 
@@ -90,3 +92,5 @@ TEST(FlatParamLayout, BadInputIsNamed) {
   EXPECT_NE(msg.find("no parameter named 'v'"), std::string::npos) << msg;
   EXPECT_EQ(layout.find("w").numel, 2);
 }
+
+}  // namespace flat_param_test

@@ -7,7 +7,7 @@
 #include <ztrain/optim/adam.h>
 
 namespace ztrain::test {
-namespace {
+namespace init_memory_test {
 
 TEST(InitParameters, ShardedWeightsEqualThePlainModelBitForBit) {
   ASSERT_EQ(world_size(), expected_world_size());
@@ -104,5 +104,5 @@ TEST(MemoryStats, ZtrainAdamStateIsCounted) {
   EXPECT_EQ(counted, expected);
 }
 
-}  // namespace
+}  // namespace init_memory_test
 }  // namespace ztrain::test
