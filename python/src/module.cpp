@@ -301,6 +301,15 @@ PYBIND11_MODULE(_C, m) {
   py::class_<zt::ShardedModule, std::shared_ptr<zt::ShardedModule>>(m, "_Sharded")
       .def("shards", &shards)
       .def("pieces", &pieces)
+      .def("group_members",
+           [](const zt::ShardedModule& b) {  // the parameter names each shard holds, by shard
+             std::vector<std::vector<std::string>> out;
+             for (const auto& g : b.groups()) {
+               auto& names = out.emplace_back();
+               for (const auto& e : g.layout.entries()) names.push_back(e.name);
+             }
+             return out;
+           })
       .def("train", [](zt::ShardedModule& b, bool on) { b.train(on); })
       .def("gathered_parameters", [](zt::ShardedModule& b) { return zt::gathered_parameters(b); }, release())
       .def("parameter_bytes", &zt::ShardedModule::parameter_bytes)

@@ -34,8 +34,10 @@ a tuple of tensors (ztrain.Block's contract); no parameter may be shared between
 anything else.
 
 boost() keeps the caller's optimizer object (a ztrain.optim AdamW or Adam over the model's
-parameters, in one param group, not yet stepped): it now updates the units' shards and the
-other parameters, and an LR scheduler built on it goes on working. It returns a wrapper whose
+parameters, not yet stepped): it now updates the units' shards and the other parameters, and an
+LR scheduler built on it goes on working. Param groups carry over: a unit keeps its weights
+(two or more dimensions) in shards apart from its biases and norm weights, so the usual
+weight-decay split, and groups per unit, hold; a group that splits a unit otherwise is refused. It returns a wrapper whose
 step() clips the global gradient norm (max_grad_norm) and steps through
 ztrain.optim.OptimManager (loss scaling, the step skipped everywhere on an overflow); step the
 scheduler after it as usual. Every rank makes the same calls in the same order.
@@ -185,20 +187,21 @@ class Booster:
         if not isinstance(optimizer, _NativeAdam) or isinstance(optimizer, AdamOffload):
             raise _C.Error(f"Booster: the optimizer must be a ztrain.optim.AdamW or Adam over the model's parameters, "
                            f"got {type(optimizer).__name__}")
-        if len(optimizer.param_groups) != 1:
-            raise _C.Error(f"Booster: the optimizer has {len(optimizer.param_groups)} param groups; a unit's "
-                           "parameters are sharded together, so build it with one group")
         if optimizer.state:
             raise _C.Error("Booster: the optimizer has stepped already; boost before the first step")
-        params = {id(p) for p in model.parameters()}
-        if {id(p) for p in optimizer.param_groups[0]["params"]} != params:
+        group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        if set(group_of) != {id(p) for p in model.parameters()}:
             raise _C.Error("Booster: the optimizer's parameters are not the model's (build it over "
-                           "model.parameters())")
+                           "model.parameters(), or groups of them)")
         self.plugin.configure(model)
         self._replicated = [p for p in model.parameters() if not hasattr(p, "_native")]
         for p in self._replicated:
             _C._broadcast(p.data, 0, "dp")
-        optimizer._retarget(list(model.parameters()))
+        group_of.update(_shard_groups(model, group_of))
+        groups = [[] for _ in optimizer.param_groups]
+        for p in model.parameters():
+            groups[group_of[id(p)]].append(p)
+        optimizer._retarget(groups)
         manager = OptimManager(model, loss_scale=self.loss_scale)
         manager.add_optimizer(optimizer)
         self._model = model
@@ -257,6 +260,28 @@ class Booster:
         if self._model is None:
             raise _C.Error(f"Booster.{what}: boost() a model first")
         return self._model
+
+
+def _shard_groups(model, group_of):
+    """{id(shard): param group} for the shards of `model`'s Blocks: the group of the parameters
+    each holds, which must be one. A Block keeps the parameters weight decay skips (fewer than
+    two dimensions) in shards apart from the others, so the usual split of biases and norms from
+    weights holds."""
+    out = {}
+    for path, block in model.named_modules():
+        if not isinstance(block, Block):
+            continue
+        module_params = dict(block.module.named_parameters())
+        for shard, members in zip(block._native.shards(), block._native.group_members()):
+            groups = sorted({group_of[id(module_params[name])] for name in members})
+            if len(groups) > 1:
+                first = {g: next(n for n in members if group_of[id(module_params[n])] == g) for g in groups}
+                raise _C.Error(f"Booster: the unit '{path}' keeps " + ", ".join(
+                    f"'{first[g]}' (param group {g})" for g in groups) + " in one flat shard; a unit shards its "
+                    "parameters of one dtype together, its weights apart from its biases and norms, so param "
+                    "groups may split a unit only that way")
+            out[id(shard)] = groups[0]
+    return out
 
 
 def _unwrap(optimizer):

@@ -25,11 +25,12 @@ class _NativeAdam(torch.optim.Optimizer):
         return _C._Adam([(list(g["params"]), self._hyper(g)) for g in self.param_groups], self._decoupled,
                         self._num_threads)
 
-    def _retarget(self, params):
-        """Makes this optimizer (one group, no state yet) update `params` instead, with the same
-        hyperparameters: what the Booster does after a plugin moved the model's parameters into
-        the engine's buffers."""
-        self.param_groups[0]["params"] = list(params)
+    def _retarget(self, groups):
+        """Makes this optimizer (no state yet) update the parameters `groups[i]` in its group i
+        instead, with the same hyperparameters: what the Booster does after a plugin moved the
+        model's parameters into the engine's buffers."""
+        for group, params in zip(self.param_groups, groups, strict=True):
+            group["params"] = list(params)
         self._native = self._native_over_groups()
 
     @staticmethod

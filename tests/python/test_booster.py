@@ -110,6 +110,32 @@ class Plugins(unittest.TestCase):
                     torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
                 self.assertGreater(optimizer.last_grad_norm, 0)
 
+    def test_weight_decay_groups_equal_one_process(self):
+        def groups(model):  # GPT-2's split: decay the matrices, not biases and norms
+            decay = [p for p in model.parameters() if p.dim() >= 2]
+            return [{"params": decay, "weight_decay": 0.1},
+                    {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+        ref = TinyLM()
+        ref_opt = torch.optim.AdamW(groups(ref), lr=LR)
+        want = []
+        for step in range(3):
+            ref_opt.zero_grad()
+            loss = ref(batch(step))
+            loss.backward()
+            ref_opt.step()
+            want.append(loss.item())
+        for name in ("ddp", "zero1", "fsdp"):
+            with self.subTest(plugin=name):
+                model = TinyLM()
+                booster = Booster(PLUGINS[name]())
+                model, optimizer, *_ = booster.boost(model, ztrain.optim.AdamW(groups(model), lr=LR))
+                self.assertEqual([g["weight_decay"] for g in optimizer.param_groups], [0.1, 0.0])
+                torch.testing.assert_close(train(booster, model, optimizer, 3), want, rtol=1e-5, atol=1e-6)
+                got = ztrain.state_dict(model)
+                for key, value in ref.state_dict().items():
+                    torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
     def test_units_are_blocks_of_the_plugins_level(self):
         for name, level in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("fsdp", 3)):
             _, model, _ = boosted(PLUGINS[name]())
@@ -165,12 +191,13 @@ class Errors(unittest.TestCase):
         with self.assertRaisesRegex(ztrain.Error, "must be a ztrain.optim.AdamW or Adam .*got AdamW"):
             Booster(DataParallelPlugin()).boost(model, torch.optim.AdamW(model.parameters()))
 
-    def test_param_groups_are_refused(self):
+    def test_param_groups_that_split_a_shard_are_refused(self):
         model = TinyLM()
-        groups = [{"params": [model.embed.weight]}, {"params": list(model.layers.parameters()) +
-                                                     list(model.norm.parameters()), "weight_decay": 0.0}]
-        with self.assertRaisesRegex(ztrain.Error, "has 2 param groups"):
-            Booster(FullyShardPlugin()).boost(model, ztrain.optim.AdamW(groups))
+        fc1 = [model.layers[0].fc1.weight]
+        rest = [p for p in model.parameters() if p is not fc1[0]]
+        with self.assertRaisesRegex(ztrain.Error, "the unit 'layers.0' keeps 'fc1.weight' \\(param group 0\\), "
+                                                  "'fc2.weight' \\(param group 1\\) in one flat shard"):
+            Booster(FullyShardPlugin()).boost(model, ztrain.optim.AdamW([{"params": fc1}, {"params": rest}]))
 
     def test_an_optimizer_over_other_parameters_is_refused(self):
         model = TinyLM()
