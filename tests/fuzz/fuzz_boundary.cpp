@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+ZTRAIN_FUZZ_TARGET(boundary) {
   std::vector<int64_t> header(size / sizeof(int64_t));
   if (!header.empty()) std::memcpy(header.data(), data, header.size() * sizeof(int64_t));
   try {

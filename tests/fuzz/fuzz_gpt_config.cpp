@@ -5,7 +5,7 @@
 
 #include <ztrain/error.h>
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+ZTRAIN_FUZZ_TARGET(gpt_config) {
   const std::string text(reinterpret_cast<const char*>(data), size);
   try {
     ztrain::gpt_app::config_from_text(text, "fuzz");

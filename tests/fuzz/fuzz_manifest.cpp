@@ -5,7 +5,7 @@
 #include <ztrain/ckpt/checkpoint.h>
 #include <ztrain/error.h>
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+ZTRAIN_FUZZ_TARGET(manifest) {
   static const bool files = [] {
     // The contents tests/fuzz/corpus/manifest's seeds record the SHA-256 of.
     for (const char* name : {"model.safetensors", "optimizer.safetensors", "rng.safetensors"}) {

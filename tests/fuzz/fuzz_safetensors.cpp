@@ -5,7 +5,7 @@
 #include <ztrain/ckpt/safetensors.h>
 #include <ztrain/error.h>
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+ZTRAIN_FUZZ_TARGET(safetensors) {
   const auto path = ztrain::fuzz::write_file("input.safetensors", data, size);
   try {
     ztrain::ckpt::SafetensorsReader reader(path);

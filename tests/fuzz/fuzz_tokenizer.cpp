@@ -4,7 +4,7 @@
 
 #include <ztrain/error.h>
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+ZTRAIN_FUZZ_TARGET(tokenizer) {
   const auto path = ztrain::fuzz::write_file("tokenizer.json", data, size);
   try {
     auto tokenizer = ztrain::gpt_app::load_tokenizer(path);
