@@ -19,6 +19,7 @@ from . import _C
 from ._C import CommError, Error
 from . import optim
 from . import booster
+from . import nn
 from .block import Block, BlockList, no_sync
 from .model_file import (init_parameters, load, load_optimizer, load_state_dict, memory_stats, save, save_optimizer,
                          state_dict)
@@ -27,7 +28,7 @@ from .parameter import DistributedParameter
 __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
            "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block",
            "BlockList", "no_sync", "DistributedParameter", "save", "load", "save_optimizer", "load_optimizer",
-           "state_dict", "load_state_dict", "init_parameters", "memory_stats", "booster"]
+           "state_dict", "load_state_dict", "init_parameters", "memory_stats", "booster", "nn"]
 
 
 def init_distributed(seed=0, tp_size=1, pp_size=1, timeout=None, device=None, threads=None, backend=None):

@@ -21,6 +21,9 @@ over the data-parallel group, as DDP does):
   ranks (ColossalAI's LowLevelZeroPlugin, ZeRO levels 1 and 2).
 - FullyShardPlugin(use_checkpoint=False): the parameters too, gathered per unit around its
   forward and backward, the next unit's gather overlapping this one's compute (ZeRO-3, FSDP).
+- HybridParallelPlugin(tp_size, tensor_parallel, zero_stage=0): the Linear layers a policy names
+  split over the tensor-parallel ranks (ztrain.nn), then any of the above over the data-parallel
+  ranks.
 
 Each plugin wraps the model's *units* — by default every module held in a torch.nn.ModuleList
 (the layer stacks of transformer models); `wrap` takes module classes instead (FSDP's
@@ -43,6 +46,7 @@ ztrain.optim.OptimManager (loss scaling, the step skipped everywhere on an overf
 scheduler after it as usual. Every rank makes the same calls in the same order.
 """
 import contextlib
+import re
 
 import torch
 
@@ -66,6 +70,7 @@ class Plugin:
         self.wrap = wrap
         self.use_checkpoint = use_checkpoint
         self.prefetch_depth = prefetch_depth
+        self.replaced = {}  # id(a parameter configure made) -> the model's parameter it stands for
 
     def _is_unit(self, name, module, parent):
         if self.wrap is None:
@@ -76,22 +81,7 @@ class Plugin:
 
     def configure(self, model):
         """Wraps `model`'s units in place (collective); returns their names."""
-        units = []  # (name, parent, attribute, module)
-
-        def visit(prefix, parent):
-            for attribute, child in parent.named_children():
-                name = prefix + attribute
-                if isinstance(child, Block):
-                    raise _C.Error(f"{type(self).__name__}: '{name}' is a ztrain.Block already; boost a plain model")
-                if self._is_unit(name, child, parent):
-                    units.append((name, parent, attribute, child))
-                else:
-                    visit(name + ".", child)
-
-        visit("", model)
-        if not units:
-            raise _C.Error(f"{type(self).__name__}: found no unit to wrap in {type(model).__name__} (by default the "
-                           "modules of a torch.nn.ModuleList); pass wrap=(LayerClass,) or wrap=lambda name, module: ...")
+        units = self._units(model)
         owner = {}
         for name, _, _, module in units:
             for p in module.parameters():
@@ -109,6 +99,26 @@ class Plugin:
         for blocks in lists.values():
             _C._link_blocks([b._native for b in blocks], self.prefetch_depth)
         return [name for name, _, _, _ in units]
+
+    def _units(self, model):
+        """(name, parent, attribute, module) of each unit of `model`, outermost first."""
+        units = []
+
+        def visit(prefix, parent):
+            for attribute, child in parent.named_children():
+                name = prefix + attribute
+                if isinstance(child, Block):
+                    raise _C.Error(f"{type(self).__name__}: '{name}' is a ztrain.Block already; boost a plain model")
+                if self._is_unit(name, child, parent):
+                    units.append((name, parent, attribute, child))
+                else:
+                    visit(name + ".", child)
+
+        visit("", model)
+        if not units:
+            raise _C.Error(f"{type(self).__name__}: found no unit to wrap in {type(model).__name__} (by default the "
+                           "modules of a torch.nn.ModuleList); pass wrap=(LayerClass,) or wrap=lambda name, module: ...")
+        return units
 
 
 class DataParallelPlugin(Plugin):
@@ -134,6 +144,83 @@ class FullyShardPlugin(Plugin):
 
     def __init__(self, wrap=None, use_checkpoint=False, prefetch_depth=1):
         super().__init__(3, wrap, use_checkpoint, prefetch_depth)
+
+
+class HybridParallelPlugin(Plugin):
+    """Tensor parallelism by a policy, then any ZeRO level over the data-parallel ranks
+    (ColossalAI's HybridParallelPlugin without pipelines; the C++ one has them).
+
+        ztrain.init_distributed(tp_size=2)                       # 4 ranks: tp 2 × dp 2
+        plugin = HybridParallelPlugin(tp_size=2, zero_stage=1, tensor_parallel={
+            "layers.*.attn.q": "column", "layers.*.attn.k": "column", "layers.*.attn.v": "column",
+            "layers.*.attn.o": "row", "layers.*.fc1": "column", "layers.*.fc2": "row"},
+            adapt=lambda model, tp: [setattr(l.attn, "heads", l.attn.heads // tp) for l in model.layers])
+
+    `tensor_parallel` maps module paths (`*` stands for one component of a name) to how the
+    torch.nn.Linear there splits: "column", "column_gathered" (its output joined on every rank)
+    or "row" (ztrain.nn's Megatron cut: a column layer followed by a row layer communicates once
+    each way). Every rule must match a Linear inside a unit; `adapt(model, tp_size)` then fixes
+    what the model's forward derives from the split sizes (heads per rank). The model's
+    parameters are first broadcast from rank 0, so every rank cuts the same full layers.
+    zero_stage 0-3 is the ZeRO level of the units over the dp group."""
+
+    _STYLES = ("column", "column_gathered", "row")
+
+    def __init__(self, tp_size, tensor_parallel, zero_stage=0, pp_size=1, adapt=None, wrap=None,
+                 use_checkpoint=False, prefetch_depth=1):
+        if pp_size != 1:
+            raise _C.Error(f"HybridParallelPlugin: pp_size={pp_size}: pipelines are not in the Python package yet "
+                           "(the C++ HybridParallel has them)")
+        if zero_stage not in (0, 1, 2, 3):
+            raise _C.Error(f"HybridParallelPlugin: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        for path, style in tensor_parallel.items():
+            if style not in self._STYLES:
+                raise _C.Error(f"HybridParallelPlugin: '{path}': the style must be one of {', '.join(self._STYLES)}, "
+                               f"got {style!r}")
+        super().__init__(zero_stage, wrap, use_checkpoint, prefetch_depth)
+        self.tp_size = tp_size
+        self.tensor_parallel = dict(tensor_parallel)
+        self.adapt = adapt
+
+    def configure(self, model):
+        from . import nn as tp_nn
+        if _C._group_size("tp") != self.tp_size:
+            raise _C.Error(f"HybridParallelPlugin: tp_size={self.tp_size} but the runtime's tensor-parallel groups "
+                           f"have {_C._group_size('tp')} ranks; call ztrain.init_distributed(tp_size={self.tp_size})")
+        modules = dict(model.named_modules())
+        units = [name for name, _, _, _ in self._units(model)]
+        style_of = {}  # module path -> (rule, style)
+        for rule, style in self.tensor_parallel.items():
+            pattern = re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in rule.split(".")))
+            matched = [name for name in modules if name and pattern.fullmatch(name)]
+            if not matched:
+                raise _C.Error(f"HybridParallelPlugin: the rule '{rule}' matches no module of {type(model).__name__}")
+            for name in matched:
+                if name in style_of:
+                    raise _C.Error(f"HybridParallelPlugin: '{name}' matches the rules '{style_of[name][0]}' and '{rule}'")
+                if type(modules[name]) is not torch.nn.Linear:
+                    raise _C.Error(f"HybridParallelPlugin: '{name}' (rule '{rule}') is a {type(modules[name]).__name__}; "
+                                   "the rules split torch.nn.Linear layers")
+                if not any(name.startswith(unit + ".") for unit in units):
+                    raise _C.Error(f"HybridParallelPlugin: '{name}' (rule '{rule}') is outside every unit the plugin "
+                                   "wraps; tensor-parallel layers must be inside one")
+                style_of[name] = (rule, style)
+        for p in model.parameters():  # every rank cuts the same full layers
+            _C._broadcast(p.data, 0, "world")
+        for name, (_, style) in style_of.items():
+            linear = modules[name]
+            if style == "row":
+                layer = tp_nn.RowParallelLinear.from_linear(linear)
+            else:
+                layer = tp_nn.ColumnParallelLinear.from_linear(linear, gather_output=style == "column_gathered")
+            parent, _, attribute = name.rpartition(".")
+            setattr(modules[parent] if parent else model, attribute, layer)
+            for kind in ("weight", "bias"):
+                if getattr(linear, kind) is not None:
+                    self.replaced[id(getattr(layer, kind))] = getattr(linear, kind)
+        if self.adapt is not None:
+            self.adapt(model, self.tp_size)
+        return super().configure(model)
 
 
 class BoostedOptimizer:
@@ -197,6 +284,7 @@ class Booster:
         self._replicated = [p for p in model.parameters() if not hasattr(p, "_native")]
         for p in self._replicated:
             _C._broadcast(p.data, 0, "dp")
+        group_of.update({new: group_of[id(old)] for new, old in self.plugin.replaced.items()})
         group_of.update(_shard_groups(model, group_of))
         groups = [[] for _ in optimizer.param_groups]
         for p in model.parameters():

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _C
+from ..nn import _all_reduce, _gather_last, _tp
 from .distributed import all_gather
 from .global_var import config
 from .layer import DistributedModule, DistributedParameter, ParameterInitializer
@@ -90,10 +91,6 @@ class ReduceType(enum.Enum):
     REDUCE_SCATTER = 2
 
 
-def _tp():
-    return _C._group_rank("tp"), _C._group_size("tp")
-
-
 def _gather_rows(x):
     """Every tp rank's x stacked along dimension 0 (x of shape (n, ...) gives (tp_size × n, ...))."""
     x = x.contiguous()
@@ -107,18 +104,6 @@ def _scatter_rows(x):
         raise _C.Error(f"tensor-parallel reduce-scatter: dimension 0 ({x.shape[0]}) does not divide by the "
                        f"{size} tensor-parallel ranks")
     return _C._reduce_scatter(x.contiguous(), "sum", "tp").view((x.shape[0] // size,) + tuple(x.shape[1:]))
-
-
-def _all_reduce(x):
-    x = x.contiguous().clone()
-    _C._all_reduce(x, "sum", "tp")
-    return x
-
-
-def _gather_last(x):
-    """Every tp rank's x joined along the last dimension."""
-    parts = _C._all_gather(x.contiguous(), "tp").view((_tp()[1],) + tuple(x.shape))
-    return torch.cat(parts.unbind(0), dim=-1)
 
 
 def _rows(x):

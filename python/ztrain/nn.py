@@ -1,0 +1,148 @@
+"""Tensor-parallel linear layers for Python models, Megatron-LM's cut over the tensor-parallel
+group of init_distributed(tp_size=...):
+
+- ColumnParallelLinear: the weight's rows (the output features) split; the input is the same on
+  every tp rank (its gradient summed over them in backward), the output this rank's part of the
+  features, or all of them with gather_output=True.
+- RowParallelLinear: the weight's columns (the input features) split; the input is this rank's
+  part of the features (a column layer's output), the output summed over the tp ranks and the
+  bias, kept whole on every rank, added once.
+
+A column layer followed by a row layer (an MLP; attention's projections with heads / tp_size
+heads per rank) communicates once forward and once backward. Each layer holds this rank's slice
+as a Parameter with `tp_split_dim` (0 for a column layer's weight and bias, 1 for a row layer's
+weight), which ztrain.Block, save, load, state_dict and init_parameters take as a slice of the
+full tensor: files hold full tensors and load at any tp size. from_linear(linear) cuts an existing
+torch.nn.Linear the same way on every rank (the Booster's HybridParallelPlugin does so by
+policy); the constructors make this rank's slice of a freshly initialised full layer.
+"""
+import torch
+import torch.nn.functional as F
+
+from . import _C
+
+
+def _tp():
+    return _C._group_rank("tp"), _C._group_size("tp")
+
+
+def _all_reduce(x):
+    x = x.contiguous().clone()
+    _C._all_reduce(x, "sum", "tp")
+    return x
+
+
+def _gather_last(x):
+    """Every tp rank's x joined along the last dimension."""
+    parts = _C._all_gather(x.contiguous(), "tp").view((_tp()[1],) + tuple(x.shape))
+    return torch.cat(parts.unbind(0), dim=-1)
+
+
+def _own_last(x):
+    rank, size = _tp()
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+class _CopyToTp(torch.autograd.Function):
+    """Identity; backward sums the gradient over the tp ranks (a replicated input used by each
+    rank's part)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad)
+
+
+class _ReduceFromTp(torch.autograd.Function):
+    """The sum over the tp ranks; backward passes the gradient through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _GatherFromTp(torch.autograd.Function):
+    """Every rank's part joined along the last dimension; backward keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_last(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_last(grad)
+
+
+def _split(what, n, size):
+    if n % size:
+        raise _C.Error(f"{what} ({n}) does not divide by the {size} tensor-parallel ranks")
+    return n // size
+
+
+def _slice_parameter(full, dim):
+    """This tp rank's chunk of `full` along `dim`, as a Parameter marked with its split."""
+    rank, size = _tp()
+    p = torch.nn.Parameter(full.detach().chunk(size, dim=dim)[rank].clone(), requires_grad=full.requires_grad)
+    p.tp_split_dim = dim
+    return p
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    def __init__(self, in_features, out_features, bias=True, gather_output=False, dtype=None, _dense=None):
+        super().__init__()
+        dense = _dense if _dense is not None else torch.nn.Linear(in_features, out_features, bias, dtype=dtype)
+        size = _tp()[1]
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_features_per_partition = _split("ColumnParallelLinear: out_features", out_features, size)
+        self.gather_output = gather_output
+        self.weight = _slice_parameter(dense.weight, 0)
+        self.bias = _slice_parameter(dense.bias, 0) if dense.bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear, gather_output=False):
+        """This rank's columns of `linear` (the same full layer on every rank)."""
+        return cls(linear.in_features, linear.out_features, gather_output=gather_output, _dense=linear)
+
+    def forward(self, x):
+        y = F.linear(_CopyToTp.apply(x), self.weight, self.bias)
+        return _GatherFromTp.apply(y) if self.gather_output else y
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features_per_partition} of "
+                f"{self.out_features}, bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(torch.nn.Module):
+    def __init__(self, in_features, out_features, bias=True, dtype=None, _dense=None):
+        super().__init__()
+        dense = _dense if _dense is not None else torch.nn.Linear(in_features, out_features, bias, dtype=dtype)
+        size = _tp()[1]
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_features_per_partition = _split("RowParallelLinear: in_features", in_features, size)
+        self.weight = _slice_parameter(dense.weight, 1)
+        self.bias = torch.nn.Parameter(dense.bias.detach().clone()) if dense.bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear):
+        """This rank's rows of `linear`'s input features (the same full layer on every rank)."""
+        return cls(linear.in_features, linear.out_features, _dense=linear)
+
+    def forward(self, x):
+        if x.shape[-1] != self.in_features_per_partition:
+            raise _C.Error(f"RowParallelLinear: takes this rank's {self.in_features_per_partition} of "
+                           f"{self.in_features} input features (a column layer's output), got {x.shape[-1]}")
+        y = _ReduceFromTp.apply(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features_per_partition} of {self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")

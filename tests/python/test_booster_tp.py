@@ -1,0 +1,170 @@
+"""ztrain.booster.HybridParallelPlugin (ztrain.nn's tensor-parallel linears by policy, then a
+ZeRO level over the data-parallel ranks) on a small attention model against single-process
+PyTorch: tp = 2 when launched with 2 or more ranks (at 4: tp 2 × dp 2), tp = 1 in one process."""
+import os
+import tempfile
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+import ztrain
+from ztrain.booster import Booster, HybridParallelPlugin
+
+VOCAB, WIDTH, HEADS, LAYERS, BATCH, SEQ, LR, CLIP = 32, 16, 4, 2, 4, 6, 1e-2, 0.5
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = HEADS
+        # No bias on k: its gradient is zero but for rounding (softmax ignores a shift shared by
+        # every key), which AdamW would turn into steps of ±lr that no reference reproduces.
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(WIDTH, WIDTH, bias=name != "k") for name in "qkvo")
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(WIDTH), torch.nn.LayerNorm(WIDTH)
+        self.attn = Attention()
+        self.fc1, self.fc2 = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(torch.nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, VOCAB), ids.roll(-1, dims=1).view(-1))
+
+
+POLICY = {"layers.*.attn.q": "column", "layers.*.attn.k": "column", "layers.*.attn.v": "column",
+          "layers.*.attn.o": "row", "layers.*.fc1": "column", "layers.*.fc2": "row"}
+
+
+def fewer_heads(model, tp):
+    for layer in model.layers:
+        layer.attn.heads //= tp
+
+
+TP = 2 if int(os.environ.get("ZTRAIN_TEST_WORLD_SIZE", "1")) >= 2 else 1
+
+
+def batch(step):
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(200 + step))
+
+
+def local(ids):
+    """This rank's share over the data-parallel ranks (the tp ranks of one replica see the same)."""
+    n, r = ztrain._C._group_size("dp"), ztrain._C._group_rank("dp")
+    return ids[r * BATCH // n:(r + 1) * BATCH // n]
+
+
+def reference(steps):
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(batch(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def boosted(zero_stage, policy=POLICY, adapt=fewer_heads):
+    model = TinyGPT()
+    booster = Booster(HybridParallelPlugin(tp_size=TP, zero_stage=zero_stage, tensor_parallel=policy, adapt=adapt),
+                      max_grad_norm=CLIP)
+    model, optimizer, *_ = booster.boost(model, ztrain.optim.AdamW(model.parameters(), lr=LR))
+    return booster, model, optimizer
+
+
+def train(booster, model, optimizer, steps):
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = model(local(batch(step)))
+        booster.backward(loss, optimizer)
+        assert optimizer.step()
+        losses.append(ztrain.sum_loss(loss).item())
+    return losses
+
+
+class HybridParallel(unittest.TestCase):
+    def test_equals_one_process_at_every_zero_stage(self):
+        want_losses, want_params = reference(3)
+        for stage in (0, 1, 3):
+            with self.subTest(zero_stage=stage):
+                booster, model, optimizer = boosted(stage)
+                layer = model.layers[0].module
+                self.assertEqual(layer.attn.heads, HEADS // TP)
+                self.assertIsInstance(layer.fc1, ztrain.nn.ColumnParallelLinear)
+                self.assertIsInstance(layer.attn.o, ztrain.nn.RowParallelLinear)
+                self.assertEqual(layer.fc1.out_features_per_partition, 4 * WIDTH // TP)
+                losses = train(booster, model, optimizer, 3)
+                torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+                got = ztrain.state_dict(model)
+                self.assertEqual(set(got), set(want_params))
+                for key, value in want_params.items():
+                    torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+    def test_the_file_holds_full_tensors_and_loads_without_tp(self):
+        booster, model, optimizer = boosted(1)
+        train(booster, model, optimizer, 2)
+        path = os.path.join(tempfile.gettempdir(), f"ztrain_py_booster_tp_{os.getppid()}.safetensors")
+        try:
+            booster.save_model(model, path)
+            plain = TinyGPT(seed=1)
+            ztrain.synchronize()
+            import safetensors.torch
+            plain.load_state_dict(safetensors.torch.load_file(path))
+            with torch.no_grad():
+                torch.testing.assert_close(plain(batch(5)), model(batch(5)), rtol=1e-5, atol=1e-6)
+        finally:
+            ztrain.synchronize()
+            if ztrain.rank() == 0 and os.path.exists(path):
+                os.remove(path)
+
+    def test_bad_policies_are_named(self):
+        with self.assertRaisesRegex(ztrain.Error, "the rule 'layers.\\*.mlp' matches no module"):
+            boosted(0, policy={"layers.*.mlp": "column"})
+        with self.assertRaisesRegex(ztrain.Error, "'layers.0.ln1' \\(rule 'layers.\\*.ln1'\\) is a LayerNorm"):
+            boosted(0, policy={"layers.*.ln1": "column"})
+        with self.assertRaisesRegex(ztrain.Error, "'head' \\(rule 'head'\\) is outside every unit"):
+            boosted(0, policy={"head": "column_gathered"})
+        with self.assertRaisesRegex(ztrain.Error, "the style must be one of column, column_gathered, row"):
+            boosted(0, policy={"layers.*.fc1": "colum"})
+        with self.assertRaisesRegex(ztrain.Error, "pipelines are not in the Python package yet"):
+            HybridParallelPlugin(tp_size=TP, pp_size=2, tensor_parallel=POLICY)
+        with self.assertRaisesRegex(ztrain.Error, f"tp_size=3 but the runtime's tensor-parallel groups have {TP}"):
+            model = TinyGPT()
+            Booster(HybridParallelPlugin(tp_size=3, tensor_parallel=POLICY)).boost(
+                model, ztrain.optim.AdamW(model.parameters()))
+
+
+if __name__ == "__main__":
+    ztrain.init_distributed(seed=0, tp_size=TP)
+    unittest.main()
