@@ -1,6 +1,7 @@
 // ztrain._C: the native side of the Python package (python/ztrain). Ordinary torch.Tensors
 // cross the boundary as the same tensors (no copy); ztrain::Error and ztrain::CommError arrive
 // as ztrain.Error and ztrain.CommError with the native message; blocking calls release the GIL.
+#include <ztrain/ckpt/checkpoint.h>
 #include <ztrain/ckpt/model_file.h>
 #include <ztrain/ckpt/optimizer_state.h>
 #include <ztrain/optim/adam.h>
@@ -259,6 +260,12 @@ class PyOptimManager {
   }
   zt::optim::OptimManager& operator*() { return manager_; }
   zt::optim::OptimManager* operator->() { return &manager_; }
+  /// The model view, its one optimizer and this manager: what a checkpoint holds.
+  zt::TrainingState training_state(const char* what) {
+    ZTRAIN_CHECK(optimizers_.size() == 1, what, ": the OptimManager steps ", optimizers_.size(),
+                 " optimizers; a checkpoint holds one (add exactly one with add_optimizer)");
+    return {*view_, optimizers_[0]->optimizer(), manager_};
+  }
 
  private:
   std::shared_ptr<torch::nn::Module> view_;
@@ -422,6 +429,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_broadcast", [](const torch::Tensor& t, int root, const std::string& group) { group_named(group).broadcast(t, root); },
       release());
+  m.def("latest_checkpoint", &zt::latest_checkpoint, py::arg("root"));
+  m.def("checkpoints", &zt::checkpoints, py::arg("root"));
   m.def("_group_rank", [](const std::string& group) { return group_named(group).rank(); });
   m.def("_group_size", [](const std::string& group) { return group_named(group).size(); });
 
@@ -461,6 +470,22 @@ PYBIND11_MODULE(_C, m) {
              s.steps = steps;
              s.skipped = skipped;
              m->load_state(s);
+           })
+      .def(
+          "save_checkpoint",
+          [](PyOptimManager& m, const std::string& root, int64_t step, const std::string& extra_json, int keep_last) {
+            return zt::save_checkpoint(root, step, m.training_state("save_checkpoint"), extra_json,
+                                       {.keep_last = keep_last});
+          },
+          release())
+      .def("load_checkpoint",
+           [](PyOptimManager& m, const std::string& dir) {
+             zt::CheckpointInfo info;
+             {
+               py::gil_scoped_release release;
+               info = zt::load_checkpoint(dir, m.training_state("load_checkpoint"));
+             }
+             return py::make_tuple(info.dir, info.step, info.world_size, info.extra_json);
            })
       .def_property_readonly("loss_scale", [](PyOptimManager& m) { return m->loss_scale(); })
       .def_property_readonly("steps", [](PyOptimManager& m) { return m->steps(); })

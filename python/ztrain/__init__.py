@@ -21,6 +21,7 @@ from . import optim
 from . import booster
 from . import nn
 from .block import Block, BlockList, no_sync
+from .checkpoint import checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from .model_file import (init_parameters, load, load_optimizer, load_state_dict, memory_stats, save, save_optimizer,
                          state_dict)
 from .parameter import DistributedParameter
@@ -28,7 +29,8 @@ from .parameter import DistributedParameter
 __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
            "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block",
            "BlockList", "no_sync", "DistributedParameter", "save", "load", "save_optimizer", "load_optimizer",
-           "state_dict", "load_state_dict", "init_parameters", "memory_stats", "booster", "nn"]
+           "state_dict", "load_state_dict", "init_parameters", "memory_stats", "save_checkpoint", "load_checkpoint",
+           "latest_checkpoint", "checkpoints", "booster", "nn"]
 
 
 def init_distributed(seed=0, tp_size=1, pp_size=1, timeout=None, device=None, threads=None, backend=None):

@@ -52,6 +52,7 @@ import torch
 
 from . import _C
 from .block import Block, no_sync as _block_no_sync
+from .checkpoint import load_checkpoint, save_checkpoint
 from .model_file import load, load_optimizer, save, save_optimizer
 from .optim import AdamOffload, OptimManager, _NativeAdam
 
@@ -294,6 +295,7 @@ class Booster:
         manager.add_optimizer(optimizer)
         self._model = model
         self._optimizer = BoostedOptimizer(optimizer, manager, self.max_grad_norm)
+        self._lr_schedulers = [lr_scheduler] if lr_scheduler is not None else []
         return model, self._optimizer, criterion, dataloader, lr_scheduler
 
     def backward(self, loss, optimizer):
@@ -343,6 +345,19 @@ class Booster:
 
     def load_optimizer(self, optimizer, path):
         load_optimizer(self._boosted("load_optimizer"), _unwrap(optimizer), path)
+
+    def save_checkpoint(self, root, step, extra=None, keep_last=0):
+        """A training checkpoint under `root` (ztrain.save_checkpoint): the model, the optimizer's
+        state and hyperparameters, the lr_scheduler given to boost(), the loss scale and step
+        counters, each rank's generators and `extra`; returns its directory. Collective."""
+        self._boosted("save_checkpoint")
+        return save_checkpoint(root, step, self._optimizer._manager, extra, keep_last, self._lr_schedulers)
+
+    def load_checkpoint(self, path):
+        """Loads a checkpoint written under any plugin and world size (ztrain.load_checkpoint);
+        returns {"dir", "step", "world_size", "extra"}. Collective."""
+        self._boosted("load_checkpoint")
+        return load_checkpoint(path, self._optimizer._manager, self._lr_schedulers)
 
     def _boosted(self, what):
         if self._model is None:

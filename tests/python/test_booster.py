@@ -4,6 +4,7 @@ resuming from saved model and optimizer files, gradient accumulation under no_sy
 errors of a wrong optimizer or model."""
 import contextlib
 import os
+import shutil
 import tempfile
 import unittest
 
@@ -166,6 +167,53 @@ class Plugins(unittest.TestCase):
                 for path in (model_file, optim_file):
                     if os.path.exists(path):
                         os.remove(path)
+
+    def test_a_training_checkpoint_resumes_exactly_under_another_plugin(self):
+        root = os.path.join(tempfile.gettempdir(), f"ztrain_py_booster_ckpt_{os.getppid()}")
+
+        def make(name):
+            model = TinyLM()
+            optimizer = ztrain.optim.AdamW(model.parameters(), lr=LR)
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            booster = Booster(PLUGINS[name](), max_grad_norm=CLIP)
+            model, optimizer, _, _, schedule = booster.boost(model, optimizer, lr_scheduler=schedule)
+            return booster, model, optimizer, schedule
+
+        def run(booster, model, optimizer, schedule, first):
+            losses = []
+            for step in range(first, first + 2):
+                optimizer.zero_grad()
+                loss = model(local(batch(step)))
+                booster.backward(loss, optimizer)
+                optimizer.step()
+                schedule.step()
+                losses.append(ztrain.sum_loss(loss).item())
+            return losses
+
+        try:
+            saved = make("fsdp")
+            run(*saved, 0)
+            path = saved[0].save_checkpoint(root, 2, extra={"data": 17})
+            want = run(*saved, 2)
+            resumed = make("zero2")
+            self.assertEqual(ztrain.latest_checkpoint(root), path)
+            info = resumed[0].load_checkpoint(ztrain.latest_checkpoint(root))
+            self.assertEqual((info["step"], info["extra"], info["world_size"]), (2, {"data": 17}, ztrain.world_size()))
+            self.assertEqual(resumed[2].param_groups[0]["lr"], LR / 4)  # the schedule's, restored
+            self.assertEqual(resumed[2]._manager.steps, 2)
+            torch.testing.assert_close(run(*resumed, 2), want, rtol=1e-6, atol=1e-7)
+            self.assertEqual(resumed[2].param_groups[0]["lr"], saved[2].param_groups[0]["lr"])
+            ztrain.synchronize()
+            if ztrain.rank() == 0:
+                with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+                    f.truncate(100)
+            ztrain.synchronize()
+            with self.assertRaisesRegex(ztrain.Error, "model.safetensors"):
+                resumed[0].load_checkpoint(path)
+        finally:
+            ztrain.synchronize()
+            if ztrain.rank() == 0:
+                shutil.rmtree(root, ignore_errors=True)
 
     def test_no_sync_accumulates_and_reduces_once(self):
         ref = TinyLM()
