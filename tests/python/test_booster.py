@@ -29,20 +29,23 @@ class Layer(torch.nn.Module):
 
 
 class TinyLM(torch.nn.Module):
-    """Embedding, a ModuleList of layers, a final norm and a head tied to the embedding."""
+    """Embedding, a ModuleList of layers, a final norm and a head (by default tied to the
+    embedding); the forward gives the next-token loss."""
 
-    def __init__(self, seed=0):
+    def __init__(self, seed=0, layer=Layer, tied=True):
         super().__init__()
         torch.manual_seed(seed)
         self.embed = torch.nn.Embedding(VOCAB, WIDTH)
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.layers = torch.nn.ModuleList(layer() for _ in range(LAYERS))
         self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = None if tied else torch.nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, ids):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
-        logits = F.linear(self.norm(x), self.embed.weight)
+        x = self.norm(x)
+        logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
         return F.cross_entropy(logits.view(-1, VOCAB), ids.roll(-1, dims=1).view(-1))
 
 
@@ -51,7 +54,8 @@ def batch(step):
 
 
 def local(ids):
-    n, r = ztrain.world_size(), ztrain.rank()
+    """This rank's share over the data-parallel ranks (the tp ranks of one replica see the same)."""
+    n, r = ztrain._C._group_size("dp"), ztrain._C._group_rank("dp")
     return ids[r * BATCH // n:(r + 1) * BATCH // n]
 
 
@@ -64,8 +68,9 @@ PLUGINS = {
 }
 
 
-def reference(steps):
-    model = TinyLM()
+def reference(steps, make_model=TinyLM):
+    """Losses and final weights of `steps` clipped AdamW steps on the whole batch, one process."""
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):

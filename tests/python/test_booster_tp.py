@@ -11,7 +11,9 @@ import torch.nn.functional as F
 import ztrain
 from ztrain.booster import Booster, HybridParallelPlugin
 
-VOCAB, WIDTH, HEADS, LAYERS, BATCH, SEQ, LR, CLIP = 32, 16, 4, 2, 4, 6, 1e-2, 0.5
+from test_booster import CLIP, LR, WIDTH, TinyLM, batch, reference, train
+
+HEADS = 4
 
 
 class Attention(torch.nn.Module):
@@ -41,21 +43,9 @@ class Layer(torch.nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-class TinyGPT(torch.nn.Module):
-    def __init__(self, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
-        self.norm = torch.nn.LayerNorm(WIDTH)
-        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.view(-1, VOCAB), ids.roll(-1, dims=1).view(-1))
+def TinyGPT(seed=0):
+    """test_booster's model with attention layers and a head of its own."""
+    return TinyLM(seed, layer=Layer, tied=False)
 
 
 POLICY = {"layers.*.attn.q": "column", "layers.*.attn.k": "column", "layers.*.attn.v": "column",
@@ -70,30 +60,6 @@ def fewer_heads(model, tp):
 TP = 2 if int(os.environ.get("ZTRAIN_TEST_WORLD_SIZE", "1")) >= 2 else 1
 
 
-def batch(step):
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(200 + step))
-
-
-def local(ids):
-    """This rank's share over the data-parallel ranks (the tp ranks of one replica see the same)."""
-    n, r = ztrain._C._group_size("dp"), ztrain._C._group_rank("dp")
-    return ids[r * BATCH // n:(r + 1) * BATCH // n]
-
-
-def reference(steps):
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = model(batch(step))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 def boosted(zero_stage, policy=POLICY, adapt=fewer_heads):
     model = TinyGPT()
     booster = Booster(HybridParallelPlugin(tp_size=TP, zero_stage=zero_stage, tensor_parallel=policy, adapt=adapt),
@@ -102,20 +68,9 @@ def boosted(zero_stage, policy=POLICY, adapt=fewer_heads):
     return booster, model, optimizer
 
 
-def train(booster, model, optimizer, steps):
-    losses = []
-    for step in range(steps):
-        optimizer.zero_grad()
-        loss = model(local(batch(step)))
-        booster.backward(loss, optimizer)
-        assert optimizer.step()
-        losses.append(ztrain.sum_loss(loss).item())
-    return losses
-
-
 class HybridParallel(unittest.TestCase):
     def test_equals_one_process_at_every_zero_stage(self):
-        want_losses, want_params = reference(3)
+        want_losses, want_params = reference(3, TinyGPT)
         for stage in (0, 1, 3):
             with self.subTest(zero_stage=stage):
                 booster, model, optimizer = boosted(stage)
