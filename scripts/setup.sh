@@ -74,9 +74,9 @@ if [[ $(installed_version) != "$torch_version"* || $(cat "$stamp" 2>/dev/null) !
   base=$(command -v python3)
   "$base" -c 'import ensurepip, venv' 2>/dev/null || base=/usr/bin/python3
   [[ -x $py ]] || "$base" -m venv "$venv"
-  # --no-compile: Python compiles what it imports, once; byte-compiling all of PyTorch's 9000-odd
-  # modules at install took a minute on the 2-core machine.
-  pip=("$py" -m pip install -q --disable-pip-version-check --no-input --no-compile)
+  # Byte-compiled at install (about a minute here): with PYTHONDONTWRITEBYTECODE set, as on the CI,
+  # Python would otherwise compile torch's modules again in every process of the tests.
+  pip=("$py" -m pip install -q --disable-pip-version-check --no-input)
   echo "setup: installing PyTorch $torch_version and the pinned Python packages into $venv"
   "${pip[@]}" "${python_packages[@]}"
   have_toolkit=1
