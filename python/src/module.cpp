@@ -223,9 +223,13 @@ std::shared_ptr<torch::nn::Module> model_view(const Blocks& blocks, const NamedT
     auto [parent, last] = parent_of(*root, path);
     parent->register_module(last, block);
   }
+  // A plain parameter is replicated on every rank: on every pipeline stage too, since the
+  // Python front's stages hold only their pipeline's blocks apart.
+  const int stages = zt::is_initialized() ? zt::default_context().pp().size() : 1;
   for (const auto& [name, tensor] : params) {
     auto [parent, last] = parent_of(*root, name);
     parent->register_parameter(last, tensor, tensor.requires_grad());
+    parent->record(last).tied_copies = stages;
   }
   return root;
 }
@@ -322,7 +326,12 @@ PYBIND11_MODULE(_C, m) {
       .def("parameter_bytes", &zt::ShardedModule::parameter_bytes)
       .def("gathered_bytes", &zt::ShardedModule::gathered_bytes)
       .def("set_gradient_sync", &zt::ShardedModule::set_gradient_sync)
-      .def("gradient_sync", &zt::ShardedModule::gradient_sync);
+      .def("gradient_sync", &zt::ShardedModule::gradient_sync)
+      .def("set_tied_copies",  // how many pipeline stages hold this module (a global norm counts each once)
+           [](zt::ShardedModule& b, int copies) {
+             ZTRAIN_CHECK(copies >= 1, "set_tied_copies: copies must be >= 1, got ", copies);
+             for (const auto& p : b.named_parameters(/*recurse=*/false)) b.record(p.key()).tied_copies = copies;
+           });
   py::class_<PyBlock, zt::ShardedModule, std::shared_ptr<PyBlock>>(m, "_Block")
       .def(py::init([](const NamedTensors& named, int zero_level, bool use_checkpoint, const Splits& splits) {
              return std::make_shared<PyBlock>(named, splits,
@@ -425,6 +434,12 @@ PYBIND11_MODULE(_C, m) {
       [](const torch::Tensor& t, const std::string& op, const std::string& group) {
         return group_named(group).reduce_scatter(t, reduce_op(op));
       },
+      release());
+  m.def(
+      "_send", [](const torch::Tensor& t, int dst, const std::string& group) { group_named(group).send(t, dst); },
+      release());
+  m.def(
+      "_recv", [](const torch::Tensor& t, int src, const std::string& group) { group_named(group).recv(t, src); },
       release());
   m.def(
       "_broadcast", [](const torch::Tensor& t, int root, const std::string& group) { group_named(group).broadcast(t, root); },

@@ -25,10 +25,11 @@ from .checkpoint import checkpoints, latest_checkpoint, load_checkpoint, save_ch
 from .model_file import (init_parameters, load, load_optimizer, load_state_dict, memory_stats, save, save_optimizer,
                          state_dict)
 from .parameter import DistributedParameter
+from .pipeline import PipelineBlockList
 
 __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
            "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block",
-           "BlockList", "no_sync", "DistributedParameter", "save", "load", "save_optimizer", "load_optimizer",
+           "BlockList", "PipelineBlockList", "no_sync", "DistributedParameter", "save", "load", "save_optimizer", "load_optimizer",
            "state_dict", "load_state_dict", "init_parameters", "memory_stats", "save_checkpoint", "load_checkpoint",
            "latest_checkpoint", "checkpoints", "booster", "nn"]
 

@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from . import _C
-from .parameter import DistributedParameter
+from .parameter import DistributedParameter, held_by_every_stage
 
 
 def native_view(model):
@@ -82,6 +82,7 @@ class Block(torch.nn.Module):
         named = list(module.named_parameters())
         splits = {name: p.tp_split_dim for name, p in named if getattr(p, "tp_split_dim", None) is not None}
         self._native = _C._Block(named, zero_level, use_checkpoint, splits)
+        held_by_every_stage(self._native)
         # Not a submodule: its parameters are views of the engine's buffers, not what is trained.
         object.__setattr__(self, "module", module)
         self.zero_level = zero_level

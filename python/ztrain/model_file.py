@@ -9,6 +9,7 @@ without ztrain (safetensors.torch.load_file and load_state_dict), into ztrain-gp
 match, and back into a model with Blocks at any level and world size.
 """
 from . import _C
+from . import pipeline as _pipeline
 from .block import native_view
 
 
@@ -71,19 +72,28 @@ def memory_stats(model, optimizer=None):
 def state_dict(model):
     """{name: full tensor} of every parameter of `model`, named as ztrain.save names them
     (collective: Blocks and DistributedParameters are gathered one at a time); the same dict on
-    every rank."""
-    return dict(_C._gathered_parameters(*native_view(model)))
+    every rank, every pipeline stage's layers included."""
+    out = dict(_C._gathered_parameters(*native_view(model)))
+    if _pipeline.stages()[0] > 1:
+        local = _pipeline.stage_local_names(model)
+        for part in _pipeline.stage_objects({k: v for k, v in out.items() if k in local}):
+            out.update(part)
+    return out
 
 
 def load_state_dict(model, state_dict, strict=True):
     """Writes full tensors, named as state_dict() names them, into `model`'s parameters: each rank
-    keeps what it holds (every rank passes the same values; no communication). strict: a
+    keeps what it holds (every rank passes the same values; no communication but between pipeline
+stages, which learn each other's names). strict: a
     parameter the dict lacks, or an entry the model lacks, is an error. A shape that differs is
     always one."""
     blocks, params = native_view(model)
     shapes = {name: tuple(shape) for name, shape in _C._parameter_shapes(blocks, params)}
+    everywhere = set(shapes)  # the other pipeline stages' layers are expected too
+    if _pipeline.stages()[0] > 1:
+        everywhere = everywhere.union(*_pipeline.stage_objects(sorted(shapes)))
     missing = sorted(set(shapes) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(shapes))
+    unexpected = sorted(set(state_dict) - everywhere)
     if strict and (missing or unexpected):
         raise _C.Error(f"load_state_dict: the model's parameters {missing} are not in the dict, and its entries "
                        f"{unexpected} are not parameters of the model")

@@ -11,6 +11,7 @@ import torch
 
 from . import _C
 from .block import native_view
+from .pipeline import sum_over_stages
 
 
 class _NativeAdam(torch.optim.Optimizer):
@@ -161,6 +162,7 @@ class OptimManager:
                  max_loss_scale=float(2 ** 24), static_loss_scale=False):
         self._native = _C._OptimManager(*native_view(model), loss_scale, not static_loss_scale, loss_scale_factor,
                                         loss_scale_steps, min_loss_scale, max_loss_scale)
+        self._params = list(model.parameters())
         self.optimizers = []
         self.lr_schedulers = []
 
@@ -176,6 +178,7 @@ class OptimManager:
 
     def backward(self, loss):
         self._native.backward(loss)
+        sum_over_stages(self._params)
 
     def clip_grad_norm(self, max_norm):
         return self._native.clip_grad_norm(float(max_norm))

@@ -30,6 +30,7 @@ class DistributedParameter(torch.nn.Parameter):
         if not isinstance(data, torch.Tensor):
             raise _C.Error(f"DistributedParameter: the value must be a tensor, got {type(data).__name__}")
         native = _C._Parameter(data.detach().requires_grad_(requires_grad), zero_level, tp_split_dim)
+        held_by_every_stage(native)
         (shard,) = native.shards()
         # The engine reduces gradients into this very tensor, so it changes class in place.
         shard.__class__ = cls
@@ -55,3 +56,11 @@ class DistributedParameter(torch.nn.Parameter):
 
     def __reduce_ex__(self, protocol):
         raise _C.Error("DistributedParameter: a shard cannot be pickled or copied; save the model with ztrain.save")
+
+
+def held_by_every_stage(native):
+    """Marks an engine module as held by every pipeline stage (how a global gradient norm counts
+    it), as all are but a PipelineBlockList's blocks."""
+    stages = _C._group_size("pp")
+    if stages > 1:
+        native.set_tied_copies(stages)

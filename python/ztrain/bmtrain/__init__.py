@@ -24,25 +24,26 @@ from ..block import native_view
 from . import distributed, inspect, loss, lr_scheduler, nn, optim, placement, utils
 from .global_var import Topology, config, rank, world_size
 from .layer import (Block, CheckpointBlock, DistributedModule, DistributedParameter, ParameterInitializer,
-                    TransformerBlockList, load_model_state, model_state)
+                    PipelineTransformerBlockList, TransformerBlockList, load_model_state, model_state)
 
 __all__ = ["config", "rank", "world_size", "init_distributed", "DistributedParameter", "ParameterInitializer",
            "DistributedModule", "init_parameters", "grouped_parameters", "synchronize", "sum_loss", "Block",
-           "CheckpointBlock", "TransformerBlockList", "save", "load", "print_rank", "distributed", "inspect", "loss",
+           "CheckpointBlock", "TransformerBlockList", "PipelineTransformerBlockList", "save", "load", "print_rank", "distributed", "inspect", "loss",
            "lr_scheduler", "nn", "optim", "utils"]
 
 
 def init_distributed(init_method="env://", seed=0, pipe_size=-1, num_micro_batches=None, tp_size=1):
     """Starts the job (collective, launched by mpirun) and fills bmt.config. Seeds torch, random
-    and numpy with `seed`. Ranks are laid out as BMTrain lays them: tensor-parallel groups of
-    tp_size consecutive ranks (config["tp_rank"]), the ranks with the same tp_rank form the
-    data-parallel group "tp_zero_comm" (config["tp_zero_rank"], config["tp_zero_size"]).
+    and numpy with `seed`. Ranks are laid out as BMTrain lays them: pipeline stages of
+    world_size / pipe_size consecutive ranks (config["topology"].stage_id), within a stage
+    tensor-parallel groups of tp_size consecutive ranks (config["tp_rank"]); the ranks with the
+    same tp_rank form the data-parallel group "tp_zero_comm" (config["tp_zero_rank"],
+    config["tp_zero_size"]), one rank per stage with the same place in it the pipeline "pipe_comm".
+    A PipelineTransformerBlockList cuts its batch into num_micro_batches (default pipe_size).
     On a rank whose device is not a GPU, CUDA placement (`.cuda()`, `device="cuda"`) means
-    this rank's device from here on (ztrain.bmtrain.placement). Pipelines (pipe_size > 1) are
-    not available from ztrain.bmtrain yet."""
-    if pipe_size > 1:
-        raise _C.Error(f"init_distributed(pipe_size={pipe_size}): pipelines are not available in ztrain.bmtrain yet")
-    _init_distributed(seed=seed, tp_size=tp_size)
+    this rank's device from here on (ztrain.bmtrain.placement)."""
+    pipe = max(pipe_size, 1)
+    _init_distributed(seed=seed, tp_size=tp_size, pp_size=pipe)
     if torch.device(_C.device()).type != "cuda":
         placement.map_cuda_to(_C.device())
     random.seed(seed)
@@ -53,12 +54,16 @@ def init_distributed(init_method="env://", seed=0, pipe_size=-1, num_micro_batch
         pass
     tp_rank, tp_size = _C._group_rank("tp"), _C._group_size("tp")
     dp_rank, dp_size = _C._group_rank("dp"), _C._group_size("dp")
+    micros = pipe if num_micro_batches is None else int(num_micro_batches)
+    if micros < 1:
+        raise _C.Error(f"init_distributed(num_micro_batches={num_micro_batches}): must be >= 1")
     config.update(initialized=True, rank=_C.rank(), world_size=_C.world_size(), local_rank=_C.local_rank(),
-                  local_size=int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")), pipe_size=1,
-                  pipe_enabled=False, tp_size=tp_size, tp_rank=tp_rank, zero_rank=_C._group_rank("stage"),
+                  local_size=int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")), pipe_size=pipe,
+                  pipe_enabled=pipe_size > 0, micros=micros, tp_size=tp_size, tp_rank=tp_rank, zero_rank=_C.rank(),
                   zero_size=_C._group_size("stage"), tp_zero_rank=dp_rank, tp_zero_size=dp_size,
-                  topology=Topology(_C.rank(), tp_size), save_param_to_cpu=True, comm="comm",
-                  zero_comm="zero_comm", tp_comm="tp_comm", tp_zero_comm="tp_zero_comm", pipe_comm="pipe_comm")
+                  topology=Topology(_C.rank(), _C.world_size(), tp_size, pipe), save_param_to_cpu=True,
+                  comm="comm", zero_comm="zero_comm", pp_zero_comm="pp_zero_comm", tp_comm="tp_comm",
+                  tp_zero_comm="tp_zero_comm", pp_tp_zero_comm="pp_tp_zero_comm", pipe_comm="pipe_comm")
 
 
 def sum_loss(loss, comm=None):

@@ -1,16 +1,18 @@
 """BMTrain's collectives (bmtrain.distributed) with its autograd rules, over ztrain's
-communicators. `comm` names a group ("comm": every rank, "zero_comm": every rank of the pipeline
-stage, "tp_comm": tensor-parallel, "tp_zero_comm": the data-parallel ranks of one tp_rank,
-"pipe_comm": pipeline; bmt.config holds these names); None is
-every rank. As in BMTrain, the backward of all_gather keeps this rank's slice of the gradient
+communicators. `comm` names a group ("comm" and "zero_comm": every rank, "pp_zero_comm": every
+rank of the pipeline stage, "tp_comm": tensor-parallel, "tp_zero_comm": the data-parallel ranks of
+one tp_rank, "pp_tp_zero_comm": those of one stage, "pipe_comm": one rank per pipeline stage;
+bmt.config holds these names); None is every rank. As in BMTrain, the backward of all_gather keeps this rank's slice of the gradient
 and that of a sum all_reduce passes the gradient through: the loss is taken to be replicated
 over the group."""
 import torch
 
 from .. import _C
+from .. import pipeline as _pipeline
 from .global_var import config
 
-_GROUPS = {"comm": "world", "zero_comm": "stage", "tp_zero_comm": "dp", "tp_comm": "tp", "pipe_comm": "pp"}
+_GROUPS = {"comm": "world", "zero_comm": "world", "pp_zero_comm": "stage", "tp_zero_comm": "dp",
+           "pp_tp_zero_comm": "dp", "tp_comm": "tp", "pipe_comm": "pp"}
 
 
 def _group(comm):
@@ -117,3 +119,13 @@ def broadcast(src, root, comm=None):
     """The root's `src` on every rank, a new tensor."""
     _require_init()
     return _Broadcast.apply(src, root, _group(comm))
+
+
+def send_activations(hidden_state, next_rank, comm):
+    """Sends a tensor (its shape and dtype first) to `next_rank` of `comm`, as BMTrain's."""
+    _pipeline.send_activations(hidden_state, next_rank, _group(comm))
+
+
+def recv_activations(prev_rank, comm):
+    """The tensor `prev_rank` of `comm` sent with send_activations, on this rank's device."""
+    return _pipeline.recv_activations(prev_rank, _group(comm))

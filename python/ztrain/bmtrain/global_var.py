@@ -23,22 +23,30 @@ def rank():
 
 
 class Topology:
-    """BMTrain's config["topology"] without pipelines: where this rank sits. tp_id is the rank in
-    its tensor-parallel group and tp_idx the group's index; tp_zero_id and tp_zero_idx the same
-    for the data-parallel group of the ranks with one tp_id; zero_id is the rank in the stage."""
+    """BMTrain's config["topology"]: where this rank sits. stage_id is its pipeline stage (of
+    `stages`) and pipe_idx its place in the stage, which is also the index of its pipeline
+    group; tp_id is the rank in its tensor-parallel group and tp_idx the group's index;
+    tp_zero_id and tp_zero_idx the same for the data-parallel group of the ranks with one tp_id;
+    pp_zero_* for the ranks of one stage, pp_tp_zero_* for the data-parallel ranks of one stage;
+    zero_id is the rank."""
 
-    def __init__(self, rank, tp_size):
+    def __init__(self, rank, world_size, tp_size, pipe_size=1):
+        stage_size = world_size // pipe_size
         self.rank = rank
         self.tp_size = tp_size
-        self.pipe_size = 1
-        self.stage_id = 0
-        self.pipe_idx = rank
+        self.pipe_size = self.stages = pipe_size
+        self.stage_id = rank // stage_size
+        self.pipe_idx = rank % stage_size
         self.zero_id = rank
         self.zero_idx = 0
         self.tp_id = rank % tp_size
         self.tp_idx = rank // tp_size
         self.tp_zero_id = self.tp_idx
         self.tp_zero_idx = self.tp_id
+        self.pp_zero_id = self.pipe_idx
+        self.pp_zero_idx = self.stage_id
+        self.pp_tp_zero_id = self.pipe_idx // tp_size
+        self.pp_tp_zero_idx = self.stage_id * tp_size + self.tp_id
 
     def get_group_id(self, group_name):
         """The index of this rank's group of kind "pipe", "zero", "tp_zero" or "tp"."""

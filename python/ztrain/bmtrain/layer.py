@@ -7,6 +7,7 @@ import torch
 from .. import _C
 from .. import block as _block
 from .. import parameter as _parameter
+from .. import pipeline as _pipeline
 from .distributed import all_gather
 from .global_var import config
 
@@ -210,3 +211,42 @@ class TransformerBlockList(_block.BlockList):
             stacked = [torch.stack(hidden_states[i::self.num_hidden], dim=0) for i in range(self.num_hidden)]
             return tuple(outputs) + tuple(stacked)
         return tuple(outputs[:self.num_hidden]) if self.num_hidden > 1 else outputs[0]
+
+
+class PipelineTransformerBlockList(_pipeline.PipelineBlockList):
+    """BMTrain's PipelineTransformerBlockList: the layers cut over the pipeline stages as BMTrain
+    cuts them, each stage keeping its own as Blocks (modules are wrapped at ZeRO level 2, as
+    BMTrain's pipeline does; Blocks passed in keep their level). forward(hidden_state, *args,
+    batch_related=[]) takes this rank's part of the batch and returns this rank's part of the
+    output; the pipeline's batch is every stage's part, cut into config["micros"] micro-batches
+    (ztrain.PipelineBlockList has the schedule). len() counts every layer; iteration and
+    indexing reach this stage's."""
+
+    def __init__(self, modules, num_hidden=1):
+        _require_init("PipelineTransformerBlockList")
+        if num_hidden != 1:
+            raise _C.Error(f"PipelineTransformerBlockList(num_hidden={num_hidden}): a pipeline passes one hidden "
+                           "state between stages, as BMTrain's")
+        modules = list(modules)
+        begin, end = _pipeline.stage_range(len(modules), config["topology"].stage_id, config["pipe_size"])
+        mine = [m if isinstance(m, _block.Block) or not begin <= i < end else Block(m, zero_level=2)
+                for i, m in enumerate(modules)]
+        super().__init__(mine, micro_batches=config.get("micros"))
+        self.num_hidden = num_hidden
+        self.stages, self.stage_id = config["pipe_size"], config["topology"].stage_id
+        self.layer_ids = range(self.begin, self.end)
+
+    def forward(self, hidden_state, *args, batch_related=[], return_hidden_states=False):
+        if return_hidden_states:
+            raise _C.Error("PipelineTransformerBlockList: return_hidden_states is not supported by ztrain.bmtrain's "
+                           "pipeline")
+        return super().forward(hidden_state, *args, batch_related=batch_related)
+
+    def get_range_by_stage_id(self, stage_id):
+        return range(*_pipeline.stage_range(self.layers, stage_id, self.stages))
+
+    def get_part_len_by_stage_id(self, stage_id):
+        return len(self.get_range_by_stage_id(stage_id))
+
+    def get_stage_by_layer_id(self, layer_id):
+        return next(s for s in range(self.stages) if layer_id in self.get_range_by_stage_id(s))

@@ -10,6 +10,7 @@ import torch
 
 from .. import _C
 from .. import optim as _optim
+from .. import pipeline as _pipeline
 from .global_var import config
 
 
@@ -94,9 +95,11 @@ class OptimManager:
     step. Gradients come out as BMTrain's: the sum over the ranks of the stage (the data-parallel
     ones, and the tensor-parallel ones for parameters replicated over tp) divided by grad_scale
     (default config["zero_size"], every rank of the stage); without tensor parallelism that is
-    the mean over the data-parallel ranks. Plain torch parameters outside Blocks and
-    DistributedParameters are kept replicated: their gradients are averaged over the
-    data-parallel group in backward."""
+    the mean over the data-parallel ranks; with pipelines, the sum over every rank (each stage
+    brings its part of the batch) divided by grad_scale (config["zero_size"], the ranks of one
+    stage). Plain torch parameters outside Blocks and DistributedParameters are kept replicated:
+    their gradients are averaged over the data-parallel group in backward; those outside the
+    pipeline are summed over the stages."""
 
     def __init__(self, loss_scale=None, loss_scale_factor=2, loss_scale_steps=1024, min_loss_scale=1,
                  max_loss_scale=float("inf"), grad_scale=None):
@@ -148,6 +151,7 @@ class OptimManager:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 _C._all_reduce(p.grad, "avg", "dp")
+        _pipeline.sum_over_stages(p for opt in self.optimizers for p in opt._params())
 
     def clip_grad_norm(self, param_groups, max_norm, norm_type=2, eps=1e-6):
         """Clips the gradients of every managed parameter to a global L2 norm of max_norm and

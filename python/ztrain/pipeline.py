@@ -1,0 +1,281 @@
+"""PipelineBlockList: a model's layers split over the pipeline stages (init_distributed(pp_size=p)),
+trained with every rank's code unchanged (BMTrain's PipelineTransformerBlockList, on which
+ztrain.bmtrain builds its own).
+
+    ztrain.init_distributed(pp_size=2)                         # mpirun -np 4: 2 stages x 2 dp
+    layers = ztrain.PipelineBlockList([Layer() for _ in range(12)], micro_batches=4)
+    h = layers(embed(ids), mask)      # each rank its own part of the batch, as under DDP
+    loss = head(h, targets)           # this rank's part's output
+
+Every rank builds every layer (in the same order); stage s keeps layers [a_s, b_s) — the layers
+cut into p runs of equal length, the first ones one longer — as Blocks of `zero_level` over its
+data-parallel group, and drops the others. Its children are named by their index in the whole
+list ("0", "1", …), so save, load and init_parameters see the plain model's names across the
+stages.
+
+forward(x, *args) gathers the parts of x of the ranks of this rank's pipeline group (one rank per
+stage, with the same data-parallel and tensor-parallel place) into one batch, cuts it into
+`micro_batches` micro-batches and runs them through the stages (GPipe: each stage forwards the
+micro-batches in turn, sending each to the next stage, and backward runs them in reverse),
+then hands each rank the output of its own part. Tensor arguments whose first dimension is the
+batch and whose rank is x's (or those whose positions `batch_related` lists) are gathered and cut
+the same way; other arguments are stage 0's, passed to every micro-batch.
+
+Parameters outside the pipeline (embeddings, the head) are held by every stage: after backward
+their gradients are summed over the stages (`sum_over_stages`, which ztrain's and
+ztrain.bmtrain's OptimManagers call), so that they stay equal, and a global gradient norm counts
+them once.
+"""
+import pickle
+
+import torch
+
+from . import _C
+from .block import Block, native_view
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
+           torch.uint8, torch.bool]
+_MAX_DIMS = 8
+
+
+def stages():
+    """The number of pipeline stages, and this rank's stage."""
+    return _C._group_size("pp"), _C._group_rank("pp")
+
+
+def send_activations(x, stage, group="pp"):
+    """Sends a tensor of any shape and dtype to `stage` of the pipeline group (its rank in
+    `group`), which receives it with recv_activations."""
+    x = x.detach().contiguous()
+    if x.dtype not in _DTYPES or x.dim() > _MAX_DIMS:
+        raise _C.Error(f"send_activations: {x.dtype} tensors of at most {_MAX_DIMS} dimensions, got {x.dtype} "
+                       f"of shape {tuple(x.shape)}")
+    header = [_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim())
+    _C._send(torch.tensor(header, dtype=torch.int64), stage, group)
+    _C._send(x, stage, group)
+
+
+def recv_activations(stage, group="pp", device=None):
+    """The tensor `stage` sent with send_activations."""
+    header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+    _C._recv(header, stage, group)
+    dtype, dims = _DTYPES[int(header[0])], int(header[1])
+    out = torch.empty([int(d) for d in header[2:2 + dims]], dtype=dtype, device=device or _C.device())
+    _C._recv(out, stage, group)
+    return out
+
+
+def stage_objects(obj):
+    """Every stage's `obj` (picklable), in stage order (collective over the pipeline group)."""
+    size, stage = stages()
+    out = []
+    for root in range(size):
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if root == stage else None
+        length = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
+        _C._broadcast(length, root, "pp")
+        if data is None:
+            data = torch.empty(int(length), dtype=torch.uint8)
+        _C._broadcast(data, root, "pp")
+        out.append(obj if root == stage else pickle.loads(data.numpy().tobytes()))
+    return out
+
+
+def stage_local_names(model):
+    """The names of `model`'s parameters that only this stage holds (its pipeline blocks')."""
+    names = set()
+    for path, m in model.named_modules():
+        if isinstance(m, Block) and getattr(m, "_pipeline_stage", False):
+            names.update(f"{path}.{name}" for name, _ in m.module.named_parameters())
+    return names
+
+
+def _gather_stages(x):
+    """The pipeline group's parts of x, stage by stage, along dimension 0."""
+    size, _ = stages()
+    return _C._all_gather(x.contiguous(), "pp").view(size * x.shape[0], *x.shape[1:])
+
+
+class _PipeIn(torch.autograd.Function):
+    """This rank's part -> the pipeline group's batch. Only stage 0 computes on it, so its
+    gradient is stage 0's, of which each rank takes its part."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_stages(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, stage = stages()
+        grad = grad.contiguous().clone()
+        _C._broadcast(grad, 0, "pp")
+        return grad.chunk(size)[stage].clone()
+
+
+class _PipeOut(torch.autograd.Function):
+    """The last stage's output of the whole batch -> this rank's part; backward gathers every
+    rank's part of the gradient (the stages before the last discard their own outputs)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        size, stage = stages()
+        last = stage == size - 1
+        ctx.shape, ctx.last = y.shape, last
+        header = torch.tensor(([_DTYPES.index(y.dtype), y.dim(), *y.shape] if last else [0, 0])
+                              + [0] * (_MAX_DIMS - (y.dim() if last else 0)), dtype=torch.int64)
+        _C._broadcast(header, size - 1, "pp")
+        dims = int(header[1])
+        out = y.detach().clone() if last else torch.empty([int(d) for d in header[2:2 + dims]],
+                                                          dtype=_DTYPES[int(header[0])], device=y.device)
+        _C._broadcast(out, size - 1, "pp")
+        return out.chunk(size)[stage].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = _gather_stages(grad)
+        return whole if ctx.last else whole.new_zeros(()).expand(ctx.shape)
+
+
+class _StageIn(torch.autograd.Function):
+    """A micro-batch entering a stage after the first: received from the previous stage, its
+    gradient sent back there."""
+
+    @staticmethod
+    def forward(ctx, x):
+        _, stage = stages()
+        return recv_activations(stage - 1, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, stage = stages()
+        send_activations(grad, stage - 1)
+        return None
+
+
+class _StageOut(torch.autograd.Function):
+    """A micro-batch leaving a stage before the last: sent to the next stage, its gradient
+    received from there."""
+
+    @staticmethod
+    def forward(ctx, y):
+        _, stage = stages()
+        send_activations(y, stage + 1)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, stage = stages()
+        return recv_activations(stage + 1, device=grad.device)
+
+
+def stage_range(layers, stage, size):
+    """The layers [begin, end) of `stage`: equal runs, the first layers % size one longer."""
+    base, extra = divmod(layers, size)
+    begin = stage * base + min(stage, extra)
+    return begin, begin + base + (stage < extra)
+
+
+def sum_over_stages(params):
+    """Sums over the pipeline stages the gradients of `params` that every stage holds (all but
+    the shards of pipeline blocks): call after backward, on every rank (collective)."""
+    size, _ = stages()
+    if size == 1:
+        return
+    by_dtype = {}
+    for p in params:
+        if p.requires_grad and not getattr(p, "_pipeline_stage", False):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for held in by_dtype.values():  # the same order on every stage: the parameters every stage holds
+        flat = torch.cat([p.grad.reshape(-1) for p in held])
+        _C._all_reduce(flat, "sum", "pp")
+        offset = 0
+        for p in held:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
+
+def micro_batch_args(args, batch, dims, micro_batches, batch_related):
+    """Each micro-batch's arguments: the batch-related tensors gathered over the stages and cut,
+    the other tensors stage 0's, the rest as they are."""
+    out = [[] for _ in range(micro_batches)]
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                raise _C.Error(f"PipelineBlockList: argument {i + 1} requires a gradient; pass what the layers "
+                               "differentiate as the hidden state, or detach it")
+            related = (i in batch_related) if batch_related else (a.dim() == dims and a.shape[0] == batch)
+            if related:
+                parts = _gather_stages(a).chunk(micro_batches)
+            else:
+                a = a.contiguous().clone()
+                _C._broadcast(a, 0, "pp")
+                parts = [a] * micro_batches
+        else:
+            parts = [a] * micro_batches
+        for m in range(micro_batches):
+            out[m].append(parts[m])
+    return out
+
+
+class PipelineBlockList(torch.nn.Module):
+    def __init__(self, modules, zero_level=2, use_checkpoint=True, micro_batches=None, prefetch_depth=1):
+        super().__init__()
+        size, stage = stages()
+        modules = list(modules)
+        if len(modules) < size:
+            raise _C.Error(f"PipelineBlockList: {len(modules)} layers cannot fill {size} pipeline stages")
+        if len({id(m) for m in modules}) != len(modules):
+            raise _C.Error("PipelineBlockList: a layer appears twice; build one module per layer")
+        self.micro_batches = size if micro_batches is None else int(micro_batches)
+        if self.micro_batches < 1:
+            raise _C.Error(f"PipelineBlockList: micro_batches must be >= 1, got {micro_batches}")
+        self.layers = len(modules)
+        self.begin, self.end = stage_range(len(modules), stage, size)
+        blocks = []
+        for index in range(self.begin, self.end):
+            m = modules[index]
+            block = m if isinstance(m, Block) else Block(m, zero_level, use_checkpoint)
+            block._native.set_tied_copies(1)  # this stage's alone
+            block._pipeline_stage = True
+            for shard in block.parameters():
+                shard._pipeline_stage = True
+            self.add_module(str(index), block)
+            blocks.append(block)
+        _C._link_blocks([b._native for b in blocks], prefetch_depth)
+
+    def __len__(self):
+        """The layers of the whole pipeline."""
+        return self.layers
+
+    def __iter__(self):
+        """This stage's blocks."""
+        return iter(self._modules.values())
+
+    def __getitem__(self, index):
+        index = int(index) + (self.layers if int(index) < 0 else 0)
+        if not self.begin <= index < self.end:
+            raise _C.Error(f"PipelineBlockList: layer {index} is on another pipeline stage (this one holds "
+                           f"{self.begin}..{self.end - 1})")
+        return self._modules[str(index)]
+
+    def forward(self, x, *args, batch_related=()):
+        size, stage = stages()
+        if size * x.shape[0] % self.micro_batches:
+            raise _C.Error(f"PipelineBlockList: the pipeline's batch ({size} stages x {x.shape[0]}) does not "
+                           f"divide into {self.micro_batches} micro-batches")
+        micro_args = micro_batch_args(args, x.shape[0], x.dim(), self.micro_batches, batch_related)
+        if torch.is_grad_enabled() and not x.requires_grad and x.is_floating_point():
+            x = x.detach().requires_grad_()  # so that every stage's micro-batches take part in backward
+        outputs = []
+        for micro, margs in zip(_PipeIn.apply(x).chunk(self.micro_batches), micro_args):
+            h = _StageIn.apply(micro) if stage > 0 else micro
+            for block in self:
+                h = block(h, *margs)
+                if not isinstance(h, torch.Tensor):
+                    raise _C.Error("PipelineBlockList: each block must return one tensor to pass on")
+            outputs.append(_StageOut.apply(h) if stage < size - 1 else h)
+        return _PipeOut.apply(torch.cat(outputs))
+
+
+__all__ = ["PipelineBlockList", "send_activations", "recv_activations", "sum_over_stages", "stage_range"]

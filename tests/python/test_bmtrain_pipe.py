@@ -1,0 +1,144 @@
+"""ztrain.bmtrain's pipelines (init_distributed(pipe_size=2) on an even number of ranks, one stage
+otherwise): the GPT of test_bmtrain.py with its layers in a PipelineTransformerBlockList (three
+layers: two on the first stage, one on the second), every rank feeding its own part of the batch
+as BMTrain's pipeline takes it, trained with AdamOptimizer, clipping and OptimManager's loss
+scale, equals the same model in plain single-process PyTorch on the whole batch step by step:
+losses, the gradient norm (each parameter counted once although the embeddings live on every
+stage) and every parameter, which the stages gather into one state dict; bmt.save writes it and
+bmt.load reads it back into the stages; send_activations and recv_activations carry tensors of
+any shape and dtype between stages."""
+import os
+import unittest
+
+import torch
+
+import ztrain.bmtrain as bmt
+from bmtrain_gpt import Layernorm, check_save_and_load, reference_forward
+from test_bmtrain import BATCH, DIM, HEADS, DIM_HEAD, SEQ, VOCAB, Embedding, TransformerEncoder, data, masks
+from ztrain.bmtrain.global_var import config
+
+LAYERS, STEPS, MAX_NORM = 3, 4, 0.5
+
+
+class PipeGPT(bmt.DistributedModule):
+    def __init__(self):
+        super().__init__()
+        self.word_emb = Embedding(VOCAB, DIM)
+        self.pos_emb = Embedding(SEQ, DIM)
+        self.transformers = bmt.PipelineTransformerBlockList([bmt.Block(TransformerEncoder()) for _ in range(LAYERS)])
+        self.layernorm = Layernorm(DIM)
+
+    def forward(self, ids, pos, mask):
+        out = self.transformers(self.pos_emb(pos) + self.word_emb(ids), mask)
+        return self.word_emb(self.layernorm(out), projection=True)
+
+
+def part(x):
+    """This rank's part of the batch: the ranks split it as under data parallelism."""
+    n = BATCH // bmt.world_size()
+    return x[bmt.rank() * n:(bmt.rank() + 1) * n]
+
+
+def parts(x):
+    n = BATCH // bmt.world_size()
+    return [x[r * n:(r + 1) * n] for r in range(bmt.world_size())]
+
+
+class Pipeline(unittest.TestCase):
+    def test_training_equals_plain_pytorch(self):
+        pipe = config["pipe_size"]
+        model = PipeGPT()
+        bmt.init_parameters(model)
+        self.assertEqual(len(model.transformers), LAYERS)
+        expected = {1: [0, 1, 2], 2: [[0, 1], [2]][config["topology"].stage_id]}[pipe]
+        self.assertEqual(list(model.transformers.layer_ids), expected)
+        reference = {k: v.clone().requires_grad_() for k, v in model.state_dict().items()}
+        self.assertEqual(len(reference), 4 + 16 * LAYERS)  # every stage's layers
+
+        loss_func = torch.nn.CrossEntropyLoss(ignore_index=-100)
+        optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, eps=1e-6)
+        optim_manager = bmt.optim.OptimManager(loss_scale=2 ** 10)
+        optim_manager.add_optimizer(optimizer)
+        ref_opt = torch.optim.Adam(reference.values(), lr=1e-2, eps=1e-6)
+        grad_scale = bmt.world_size() // pipe  # BMTrain's: the sum over every rank / zero_size
+
+        losses = []
+        for step in range(STEPS):
+            ids, targets = data(step)
+            pos, mask = masks(ids)
+            logits = model(part(ids), part(pos), part(mask))
+            loss = loss_func(logits.reshape(-1, VOCAB), part(targets).reshape(-1))
+            global_loss = bmt.sum_loss(loss).item()
+            optim_manager.zero_grad()
+            optim_manager.backward(loss)
+            norm = optim_manager.clip_grad_norm(optimizer.param_groups, MAX_NORM)
+            optim_manager.step()
+
+            ref_opt.zero_grad()
+            ref_logits = reference_forward(reference, ids, pos, mask, LAYERS, HEADS, DIM_HEAD)
+            ref_losses = [loss_func(lg.reshape(-1, VOCAB), t.reshape(-1))
+                          for lg, t in zip(parts(ref_logits), parts(targets))]
+            (sum(ref_losses) / grad_scale).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.values(), MAX_NORM).item()
+            ref_opt.step()
+            self.assertAlmostEqual(global_loss, torch.stack(ref_losses).mean().item(), delta=5e-5, msg=f"step {step}")
+            self.assertAlmostEqual(norm, ref_norm, delta=1e-4 * ref_norm, msg=f"step {step}")
+            self.assertGreater(norm, MAX_NORM)  # clipping applied
+            losses.append(global_loss)
+        self.assertLess(losses[-1], losses[0] - 0.1, losses)
+        final = model.state_dict()
+        self.assertEqual(sorted(final), sorted(reference))
+        for name, value in reference.items():
+            if name.endswith("project_k.bias"):
+                continue  # its gradient is zero but for rounding (softmax ignores a shift), which Adam magnifies
+            torch.testing.assert_close(final[name], value.detach(), atol=2e-5, rtol=1e-4, msg=name)
+        fresh, _ = check_save_and_load(self, model, final, PipeGPT, "bmt_pipe")
+        ids, targets = data(STEPS)
+        pos, mask = masks(ids)
+        with torch.no_grad():
+            torch.testing.assert_close(fresh(part(ids), part(pos), part(mask)), model(part(ids), part(pos), part(mask)),
+                                       atol=0, rtol=0)
+
+    def test_activations_travel_between_stages(self):
+        if config["pipe_size"] == 1:
+            self.skipTest("one stage")
+        stage = config["topology"].stage_id
+        if stage == 0:
+            bmt.distributed.send_activations(torch.arange(24, dtype=torch.bfloat16).view(2, 3, 4), 1,
+                                             config["pipe_comm"])
+            bmt.distributed.send_activations(torch.tensor([True, False]), 1, config["pipe_comm"])
+        else:
+            got = bmt.distributed.recv_activations(0, config["pipe_comm"])
+            self.assertEqual(got.dtype, torch.bfloat16)
+            torch.testing.assert_close(got, torch.arange(24, dtype=torch.bfloat16).view(2, 3, 4), atol=0, rtol=0)
+            self.assertEqual(bmt.distributed.recv_activations(0, config["pipe_comm"]).tolist(), [True, False])
+
+    def test_layout_follows_bmtrain(self):
+        topology, pipe = config["topology"], config["pipe_size"]
+        stage_size = bmt.world_size() // pipe
+        self.assertEqual(topology.stage_id, bmt.rank() // stage_size)
+        self.assertEqual(topology.pipe_idx, bmt.rank() % stage_size)
+        self.assertEqual(config["zero_size"], stage_size)
+        self.assertEqual(config["micros"], pipe)
+        ranks = bmt.distributed.all_gather(torch.tensor([bmt.rank()]), config["pipe_comm"]).flatten().tolist()
+        self.assertEqual(ranks, [s * stage_size + topology.pipe_idx for s in range(pipe)])
+
+    def test_bad_input_is_named(self):
+        if config["pipe_size"] == 1:
+            self.skipTest("one stage")
+        layers = bmt.PipelineTransformerBlockList([TransformerEncoder() for _ in range(2)])
+        with self.assertRaisesRegex(bmt._C.Error, "layer 1 is on another pipeline stage|layer 0 is on another"):
+            layers[1 - config["topology"].stage_id]
+        x = torch.randn(1, SEQ, DIM)
+        with self.assertRaisesRegex(bmt._C.Error, "argument 1 requires a gradient"):
+            layers(x, torch.ones(1, SEQ, SEQ, dtype=torch.bool).float().requires_grad_())
+        with self.assertRaisesRegex(bmt._C.Error, "return_hidden_states is not supported"):
+            layers(x, torch.ones(1, SEQ, SEQ, dtype=torch.bool), return_hidden_states=True)
+        with self.assertRaisesRegex(bmt._C.Error, "1 layers cannot fill 2 pipeline stages"):
+            bmt.PipelineTransformerBlockList([TransformerEncoder()])
+
+
+if __name__ == "__main__":
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+    bmt.init_distributed(seed=0, pipe_size=2 if world % 2 == 0 else -1)
+    unittest.main()
