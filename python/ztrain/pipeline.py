@@ -16,8 +16,9 @@ stages.
 forward(x, *args) gathers the parts of x of the ranks of this rank's pipeline group (one rank per
 stage, with the same data-parallel and tensor-parallel place) into one batch, cuts it into
 `micro_batches` micro-batches and runs them through the stages (GPipe: each stage forwards the
-micro-batches in turn, sending each to the next stage, and backward runs them in reverse),
-then hands each rank the output of its own part. Tensor arguments whose first dimension is the
+micro-batches in turn, sending each to the next stage, and backward runs them in reverse;
+each block's gradients are reduced over the data-parallel group once, after the last
+micro-batch's backward), then hands each rank the output of its own part. Tensor arguments whose first dimension is the
 batch and whose rank is x's (or those whose positions `batch_related` lists) are gathered and cut
 the same way; other arguments are stage 0's, passed to every micro-batch.
 
@@ -167,6 +168,24 @@ class _StageOut(torch.autograd.Function):
         return recv_activations(stage + 1, device=grad.device)
 
 
+class _ReduceOnce(torch.autograd.Function):
+    """Placed after a block's output for each micro-batch: its backward runs just before the
+    block's, turning the block's gradient reduction off for every micro-batch but the first,
+    whose backward comes last, so that the micro-batches' gradients are reduced once, summed
+    (as no_sync does; a reduction already off stays off)."""
+
+    @staticmethod
+    def forward(ctx, h, native, last):
+        ctx.native, ctx.last = native, last
+        ctx.sync = native.gradient_sync()
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.native.set_gradient_sync(ctx.sync if ctx.last else False)
+        return grad, None, None
+
+
 def stage_range(layers, stage, size):
     """The layers [begin, end) of `stage`: equal runs, the first layers % size one longer."""
     base, extra = divmod(layers, size)
@@ -268,12 +287,15 @@ class PipelineBlockList(torch.nn.Module):
         if torch.is_grad_enabled() and not x.requires_grad and x.is_floating_point():
             x = x.detach().requires_grad_()  # so that every stage's micro-batches take part in backward
         outputs = []
-        for micro, margs in zip(_PipeIn.apply(x).chunk(self.micro_batches), micro_args):
+        grad = torch.is_grad_enabled() and self.micro_batches > 1
+        for index, (micro, margs) in enumerate(zip(_PipeIn.apply(x).chunk(self.micro_batches), micro_args)):
             h = _StageIn.apply(micro) if stage > 0 else micro
             for block in self:
                 h = block(h, *margs)
                 if not isinstance(h, torch.Tensor):
                     raise _C.Error("PipelineBlockList: each block must return one tensor to pass on")
+                if grad and h.requires_grad:
+                    h = _ReduceOnce.apply(h, block._native, index == 0)
             outputs.append(_StageOut.apply(h) if stage < size - 1 else h)
         return _PipeOut.apply(torch.cat(outputs))
 

@@ -1,6 +1,7 @@
 """ztrain.bmtrain's pipelines (init_distributed(pipe_size=2) on an even number of ranks, one stage
-otherwise): the GPT of test_bmtrain.py with its layers in a PipelineTransformerBlockList (three
-layers: two on the first stage, one on the second), every rank feeding its own part of the batch
+otherwise): the GPT of test_bmtrain.py with its layers in a PipelineTransformerBlockList (five
+layers: three on the first stage, two on the second; Blocks at ZeRO levels 3 and 2, with and
+without recomputation), every rank feeding its own part of the batch
 as BMTrain's pipeline takes it, trained with AdamOptimizer, clipping and OptimManager's loss
 scale, equals the same model in plain single-process PyTorch on the whole batch step by step:
 losses, the gradient norm (each parameter counted once although the embeddings live on every
@@ -17,7 +18,7 @@ from bmtrain_gpt import Layernorm, check_save_and_load, reference_forward
 from test_bmtrain import BATCH, DIM, HEADS, DIM_HEAD, SEQ, VOCAB, Embedding, TransformerEncoder, data, masks
 from ztrain.bmtrain.global_var import config
 
-LAYERS, STEPS, MAX_NORM = 3, 4, 0.5
+LAYERS, STEPS, MAX_NORM = 5, 4, 0.5
 
 
 class PipeGPT(bmt.DistributedModule):
@@ -25,7 +26,11 @@ class PipeGPT(bmt.DistributedModule):
         super().__init__()
         self.word_emb = Embedding(VOCAB, DIM)
         self.pos_emb = Embedding(SEQ, DIM)
-        self.transformers = bmt.PipelineTransformerBlockList([bmt.Block(TransformerEncoder()) for _ in range(LAYERS)])
+        # Blocks at level 3 (BMTrain's mode="PIPE" as its example writes them), and a module the
+        # pipeline wraps at level 2.
+        self.transformers = bmt.PipelineTransformerBlockList(
+            [bmt.Block(TransformerEncoder(), mode="PIPE") for _ in range(LAYERS - 2)] + [TransformerEncoder()] +
+            [bmt.Block(TransformerEncoder(), use_checkpoint=False)])
         self.layernorm = Layernorm(DIM)
 
     def forward(self, ids, pos, mask):
@@ -50,7 +55,7 @@ class Pipeline(unittest.TestCase):
         model = PipeGPT()
         bmt.init_parameters(model)
         self.assertEqual(len(model.transformers), LAYERS)
-        expected = {1: [0, 1, 2], 2: [[0, 1], [2]][config["topology"].stage_id]}[pipe]
+        expected = {1: [0, 1, 2, 3, 4], 2: [[0, 1, 2], [3, 4]][config["topology"].stage_id]}[pipe]
         self.assertEqual(list(model.transformers.layer_ids), expected)
         reference = {k: v.clone().requires_grad_() for k, v in model.state_dict().items()}
         self.assertEqual(len(reference), 4 + 16 * LAYERS)  # every stage's layers

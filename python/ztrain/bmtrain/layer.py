@@ -164,12 +164,13 @@ def load_model_state(model, state, strict=True):
 class Block(_block.Block):
     """BMTrain's Block (CheckpointBlock): the module's parameters in ZeRO buffers (level 2 or 3,
     ztrain also takes 0 and 1), its forward recomputed in backward when use_checkpoint.
-    Attributes of the wrapped module read through the Block."""
+    Attributes of the wrapped module read through the Block. mode="PIPE" marks a layer meant
+    for a PipelineTransformerBlockList; it trains the same either way."""
 
     def __init__(self, inner_module, use_checkpoint=True, zero_level=3, initialized=False, mode="BLOCK"):
         _require_init("Block")
-        if mode != "BLOCK":
-            raise _C.Error(f"Block(mode={mode!r}): pipeline blocks are not available in ztrain.bmtrain yet")
+        if mode not in ("BLOCK", "PIPE"):
+            raise _C.Error(f"Block(mode={mode!r}): \"BLOCK\" or \"PIPE\" (a layer of a PipelineTransformerBlockList)")
         super().__init__(inner_module, zero_level=zero_level, use_checkpoint=use_checkpoint)
         for p in inner_module.parameters():
             p._in_block = True
