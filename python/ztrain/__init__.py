@@ -25,11 +25,11 @@ from .checkpoint import checkpoints, latest_checkpoint, load_checkpoint, save_ch
 from .model_file import (init_parameters, load, load_optimizer, load_state_dict, memory_stats, save, save_optimizer,
                          state_dict)
 from .parameter import DistributedParameter
-from .pipeline import PipelineBlockList
+from .pipeline import PipelineBlockList, data_parallel
 
 __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
            "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block",
-           "BlockList", "PipelineBlockList", "no_sync", "DistributedParameter", "save", "load", "save_optimizer", "load_optimizer",
+           "BlockList", "PipelineBlockList", "data_parallel", "no_sync", "DistributedParameter", "save", "load", "save_optimizer", "load_optimizer",
            "state_dict", "load_state_dict", "init_parameters", "memory_stats", "save_checkpoint", "load_checkpoint",
            "latest_checkpoint", "checkpoints", "booster", "nn"]
 
@@ -80,9 +80,14 @@ def device():
 
 
 def sum_loss(loss):
-    """The mean of a per-rank loss over the data-parallel group (a mean, as BMTrain's sum_loss
+    """The mean of a per-rank loss over the ranks that take different data — the data-parallel
+    group, and the pipeline stages when each brings its own part (a mean, as BMTrain's sum_loss
     gives, despite the name): detached, on every rank."""
-    return _C.sum_loss(loss)
+    out = _C.sum_loss(loss)
+    if _C._group_size("pp") > 1:
+        out = out.detach().clone()
+        _C._all_reduce(out, "avg", "pp")
+    return out
 
 
 def print_rank(*args, rank=0, **kwargs):

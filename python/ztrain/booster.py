@@ -21,9 +21,9 @@ over the data-parallel group, as DDP does):
   ranks (ColossalAI's LowLevelZeroPlugin, ZeRO levels 1 and 2).
 - FullyShardPlugin(use_checkpoint=False): the parameters too, gathered per unit around its
   forward and backward, the next unit's gather overlapping this one's compute (ZeRO-3, FSDP).
-- HybridParallelPlugin(tp_size, tensor_parallel, zero_stage=0): the Linear layers a policy names
-  split over the tensor-parallel ranks (ztrain.nn), then any of the above over the data-parallel
-  ranks.
+- HybridParallelPlugin(tp_size, tensor_parallel, zero_stage=0, pp_size=1): the Linear layers a
+  policy names split over the tensor-parallel ranks (ztrain.nn), the layer list cut over pipeline
+  stages, then any of the above over the data-parallel ranks.
 
 Each plugin wraps the model's *units* — by default every module held in a torch.nn.ModuleList
 (the layer stacks of transformer models); `wrap` takes module classes instead (FSDP's
@@ -52,6 +52,7 @@ import torch
 
 from . import _C
 from .block import Block, no_sync as _block_no_sync
+from .pipeline import PipelineBlockList, stages
 from .checkpoint import load_checkpoint, save_checkpoint
 from .model_file import load, load_optimizer, save, save_optimizer
 from .optim import AdamOffload, OptimManager, _NativeAdam
@@ -83,6 +84,17 @@ class Plugin:
     def configure(self, model):
         """Wraps `model`'s units in place (collective); returns their names."""
         units = self._units(model)
+        self._check_unshared(model, units)
+        lists = {}
+        for name, parent, attribute, module in units:
+            block = Block(module, self.zero_level, self.use_checkpoint)
+            setattr(parent, attribute, block)
+            lists.setdefault(id(parent), []).append(block)
+        for blocks in lists.values():
+            _C._link_blocks([b._native for b in blocks], self.prefetch_depth)
+        return [name for name, _, _, _ in units]
+
+    def _check_unshared(self, model, units):
         owner = {}
         for name, _, _, module in units:
             for p in module.parameters():
@@ -92,14 +104,6 @@ class Plugin:
             if unit is not None and not (name == unit or name.startswith(unit + ".")):
                 raise _C.Error(f"{type(self).__name__}: the parameter '{name}' is shared with the unit '{unit}'; "
                                "a unit's parameters are sharded with it and cannot be used outside it")
-        lists = {}
-        for name, parent, attribute, module in units:
-            block = Block(module, self.zero_level, self.use_checkpoint)
-            setattr(parent, attribute, block)
-            lists.setdefault(id(parent), []).append(block)
-        for blocks in lists.values():
-            _C._link_blocks([b._native for b in blocks], self.prefetch_depth)
-        return [name for name, _, _, _ in units]
 
     def _units(self, model):
         """(name, parent, attribute, module) of each unit of `model`, outermost first."""
@@ -148,8 +152,8 @@ class FullyShardPlugin(Plugin):
 
 
 class HybridParallelPlugin(Plugin):
-    """Tensor parallelism by a policy, then any ZeRO level over the data-parallel ranks
-    (ColossalAI's HybridParallelPlugin without pipelines; the C++ one has them).
+    """Tensor parallelism by a policy, pipeline stages, then any ZeRO level over the
+    data-parallel ranks (ColossalAI's HybridParallelPlugin).
 
         ztrain.init_distributed(tp_size=2)                       # 4 ranks: tp 2 × dp 2
         plugin = HybridParallelPlugin(tp_size=2, zero_stage=1, tensor_parallel={
@@ -163,15 +167,23 @@ class HybridParallelPlugin(Plugin):
     each way). Every rule must match a Linear inside a unit; `adapt(model, tp_size)` then fixes
     what the model's forward derives from the split sizes (heads per rank). The model's
     parameters are first broadcast from rank 0, so every rank cuts the same full layers.
-    zero_stage 0-3 is the ZeRO level of the units over the dp group."""
+    zero_stage 0-3 is the ZeRO level of the units over the dp group.
+
+    pp_size > 1 (with init_distributed(pp_size=...)) cuts the units — the modules of one
+    ModuleList — over the pipeline stages: the list becomes a ztrain.PipelineBlockList of
+    num_microbatches micro-batches (default pp_size), each stage keeping its own layers as units.
+    The model's forward stays as written: its loop `for layer in self.layers: x = layer(x, ...)`
+    makes one call, which runs the whole pipeline on the parts of the batch that the ranks of the
+    pipeline bring, and hands each rank the output of its own part. Each rank therefore feeds
+    its own part of the data, as under DDP over ztrain.data_parallel() ranks, and the loss it
+    computes is its part's; or Booster.execute_pipeline takes one batch per pipeline
+    (ColossalAI's way) and cuts it."""
 
     _STYLES = ("column", "column_gathered", "row")
 
-    def __init__(self, tp_size, tensor_parallel, zero_stage=0, pp_size=1, adapt=None, wrap=None,
-                 use_checkpoint=False, prefetch_depth=1):
-        if pp_size != 1:
-            raise _C.Error(f"HybridParallelPlugin: pp_size={pp_size}: pipelines are not in the Python package yet "
-                           "(the C++ HybridParallel has them)")
+    def __init__(self, tp_size, tensor_parallel=None, zero_stage=0, pp_size=1, num_microbatches=None, adapt=None,
+                 wrap=None, use_checkpoint=False, prefetch_depth=1):
+        tensor_parallel = tensor_parallel or {}
         if zero_stage not in (0, 1, 2, 3):
             raise _C.Error(f"HybridParallelPlugin: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         for path, style in tensor_parallel.items():
@@ -180,6 +192,8 @@ class HybridParallelPlugin(Plugin):
                                f"got {style!r}")
         super().__init__(zero_stage, wrap, use_checkpoint, prefetch_depth)
         self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.num_microbatches = num_microbatches
         self.tensor_parallel = dict(tensor_parallel)
         self.adapt = adapt
 
@@ -188,6 +202,9 @@ class HybridParallelPlugin(Plugin):
         if _C._group_size("tp") != self.tp_size:
             raise _C.Error(f"HybridParallelPlugin: tp_size={self.tp_size} but the runtime's tensor-parallel groups "
                            f"have {_C._group_size('tp')} ranks; call ztrain.init_distributed(tp_size={self.tp_size})")
+        if _C._group_size("pp") != self.pp_size:
+            raise _C.Error(f"HybridParallelPlugin: pp_size={self.pp_size} but the runtime has {_C._group_size('pp')} "
+                           f"pipeline stages; call ztrain.init_distributed(pp_size={self.pp_size})")
         modules = dict(model.named_modules())
         units = [name for name, _, _, _ in self._units(model)]
         style_of = {}  # module path -> (rule, style)
@@ -221,7 +238,34 @@ class HybridParallelPlugin(Plugin):
                     self.replaced[id(getattr(layer, kind))] = getattr(linear, kind)
         if self.adapt is not None:
             self.adapt(model, self.tp_size)
-        return super().configure(model)
+        if self.pp_size == 1:
+            return super().configure(model)
+        return self._cut_into_stages(model)
+
+    def _cut_into_stages(self, model):
+        units = self._units(model)
+        self._check_unshared(model, units)
+        parents = {id(parent): parent for _, parent, _, _ in units}
+        if len(parents) != 1 or not isinstance(next(iter(parents.values())), torch.nn.ModuleList):
+            raise _C.Error(f"HybridParallelPlugin: pp_size={self.pp_size} cuts the modules of one ModuleList over the "
+                           f"stages, but the units are {', '.join(name for name, _, _, _ in units)}")
+        (layers,) = parents.values()
+        if len(layers) != len(units):
+            raise _C.Error("HybridParallelPlugin: every module of the pipelined ModuleList must be a unit")
+        path = units[0][0].rpartition(".")[0]
+        parent, _, attribute = path.rpartition(".")
+        pipeline = _PipelinedList(list(layers), self.zero_level, self.use_checkpoint, self.num_microbatches,
+                                  self.prefetch_depth)
+        setattr(model.get_submodule(parent) if parent else model, attribute, pipeline)
+        return [name for name, _, _, _ in units]
+
+
+class _PipelinedList(PipelineBlockList):
+    """A ModuleList cut over the pipeline stages whose loop over its layers, as the model's
+    forward writes it, makes one call: the whole pipeline."""
+
+    def __iter__(self):
+        return iter([self])
 
 
 class BoostedOptimizer:
@@ -300,8 +344,10 @@ class Booster:
 
     def backward(self, loss, optimizer):
         """Backward of the (scaled) loss; the gradients averaged over the data-parallel group
-        when it returns (summed on this rank only inside no_sync)."""
-        optimizer._manager.backward(loss)
+        when it returns (summed on this rank only inside no_sync). With pipeline stages, where
+        each rank's loss is its part's, over every part: the dp ranks' of every stage."""
+        size, _ = stages()
+        optimizer._manager.backward(loss / size if size > 1 else loss)
         if self._sync:
             self._average_replicated()
 
@@ -319,6 +365,36 @@ class Booster:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+    def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss=True, return_outputs=False):
+        """One step's forward and backward on next(data_iter), a batch that every rank of a
+        pipeline takes alike (ColossalAI's execute_pipeline): each stage's rank runs the model
+        on its part of it (every tensor cut along dimension 0; a dict goes in as keywords, a
+        tuple or list positionally), `criterion(outputs, inputs)` gives its part's loss, and
+        backward runs when an optimizer is given. Returns {"loss": the batch's mean loss on
+        every rank, "outputs": this rank's part's}. Without pipeline stages the part is the whole
+        batch."""
+        size, stage = stages()
+        batch = next(data_iter)
+        part = _cut(batch, size, stage)
+        if isinstance(part, dict):
+            outputs = model(**part)
+        elif isinstance(part, (tuple, list)):
+            outputs = model(*part)
+        else:
+            outputs = model(part)
+        loss = criterion(outputs, part)
+        if optimizer is not None:
+            self.backward(loss, optimizer)
+        out = {}
+        if return_loss:
+            mean = loss.detach().clone()
+            if size > 1:
+                _C._all_reduce(mean, "avg", "pp")
+            out["loss"] = mean
+        if return_outputs:
+            out["outputs"] = outputs
+        return out
 
     @contextlib.contextmanager
     def no_sync(self, model=None, optimizer=None):
@@ -385,6 +461,20 @@ def _shard_groups(model, group_of):
                     "groups may split a unit only that way")
             out[id(shard)] = groups[0]
     return out
+
+
+def _cut(batch, parts, index):
+    """Part `index` of `parts` of every tensor in `batch` (along dimension 0)."""
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % parts:
+            raise _C.Error(f"Booster.execute_pipeline: a batch of {batch.shape[0]} does not cut into {parts} parts, "
+                           "one per pipeline stage")
+        return batch.chunk(parts)[index] if parts > 1 else batch
+    if isinstance(batch, dict):
+        return {k: _cut(v, parts, index) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_cut(v, parts, index) for v in batch)
+    return batch
 
 
 def _unwrap(optimizer):

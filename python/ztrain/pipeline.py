@@ -214,6 +214,15 @@ def sum_over_stages(params):
             offset += p.numel()
 
 
+def data_parallel():
+    """(index, count) of this rank among the ranks that take different data: the dp ranks of
+    every pipeline stage (each stage's rank brings its own part of its pipeline's batch);
+    the tp ranks of one place share theirs."""
+    size, stage = stages()
+    dp = _C._group_size("dp")
+    return stage * dp + _C._group_rank("dp"), size * dp
+
+
 def micro_batch_args(args, batch, dims, micro_batches, batch_related):
     """Each micro-batch's arguments: the batch-related tensors gathered over the stages and cut,
     the other tensors stage 0's, the rest as they are."""
@@ -290,7 +299,7 @@ class PipelineBlockList(torch.nn.Module):
         grad = torch.is_grad_enabled() and self.micro_batches > 1
         for index, (micro, margs) in enumerate(zip(_PipeIn.apply(x).chunk(self.micro_batches), micro_args)):
             h = _StageIn.apply(micro) if stage > 0 else micro
-            for block in self:
+            for block in self._modules.values():
                 h = block(h, *margs)
                 if not isinstance(h, torch.Tensor):
                     raise _C.Error("PipelineBlockList: each block must return one tensor to pass on")
@@ -300,4 +309,5 @@ class PipelineBlockList(torch.nn.Module):
         return _PipeOut.apply(torch.cat(outputs))
 
 
-__all__ = ["PipelineBlockList", "send_activations", "recv_activations", "sum_over_stages", "stage_range"]
+__all__ = ["PipelineBlockList", "send_activations", "recv_activations", "sum_over_stages", "stage_range",
+           "data_parallel"]

@@ -69,18 +69,19 @@ PLUGINS = {
 
 
 def reference(steps, make_model=TinyLM):
-    """Losses and final weights of `steps` clipped AdamW steps on the whole batch, one process."""
+    """Losses, final weights and gradient norms of `steps` clipped AdamW steps on the whole
+    batch, one process."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         opt.zero_grad()
         loss = model(batch(step))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         losses.append(loss.item())
-    return losses, model.state_dict()
+    return losses, model.state_dict(), norms
 
 
 def boosted(plugin):
@@ -104,7 +105,7 @@ def train(booster, model, optimizer, steps, first=0):
 
 class Plugins(unittest.TestCase):
     def test_every_plugin_equals_one_process(self):
-        want_losses, want_params = reference(4)
+        want_losses, want_params, _ = reference(4)
         for name, make in PLUGINS.items():
             with self.subTest(plugin=name):
                 booster, model, optimizer = boosted(make())
