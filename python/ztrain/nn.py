@@ -8,12 +8,18 @@ group of init_distributed(tp_size=...):
   part of the features (a column layer's output), the output summed over the tp ranks and the
   bias, kept whole on every rank, added once.
 
+- VocabParallelEmbedding: the table's rows (the vocabulary) split; each rank looks up the tokens
+  of its rows, the others give zeros, and the sum over the tp ranks is every token's vector.
+  `logits(x)` projects onto this rank's rows (a head tied to the embedding): vocabulary-parallel
+  logits, which vocab_parallel_cross_entropy turns into the loss over the whole vocabulary
+  without gathering them (Megatron's, for large vocabularies).
+
 A column layer followed by a row layer (an MLP; attention's projections with heads / tp_size
 heads per rank) communicates once forward and once backward. Each layer holds this rank's slice
-as a Parameter with `tp_split_dim` (0 for a column layer's weight and bias, 1 for a row layer's
-weight), which ztrain.Block, save, load, state_dict and init_parameters take as a slice of the
-full tensor: files hold full tensors and load at any tp size. from_linear(linear) cuts an existing
-torch.nn.Linear the same way on every rank (the Booster's HybridParallelPlugin does so by
+as a Parameter with `tp_split_dim` (0 for a column layer's weight and bias and an embedding's
+table, 1 for a row layer's weight), which ztrain.Block, save, load, state_dict and init_parameters take as a slice of the
+full tensor: files hold full tensors and load at any tp size. from_linear(linear) (from_embedding(embedding)) cuts an
+existing torch.nn.Linear (Embedding) the same way on every rank (the Booster's HybridParallelPlugin does so by
 policy); the constructors make this rank's slice of a freshly initialised full layer.
 """
 import torch
@@ -146,3 +152,75 @@ class RowParallelLinear(torch.nn.Module):
     def extra_repr(self):
         return (f"in_features={self.in_features_per_partition} of {self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    def __init__(self, num_embeddings, embedding_dim, dtype=None, _dense=None):
+        super().__init__()
+        dense = _dense if _dense is not None else torch.nn.Embedding(num_embeddings, embedding_dim, dtype=dtype)
+        rank, size = _tp()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = _split("VocabParallelEmbedding: num_embeddings", num_embeddings, size)
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.weight = _slice_parameter(dense.weight, 0)
+
+    @classmethod
+    def from_embedding(cls, embedding):
+        """This rank's rows of `embedding` (the same full table on every rank)."""
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise _C.Error("VocabParallelEmbedding.from_embedding: padding_idx, max_norm and sparse are not supported")
+        return cls(embedding.num_embeddings, embedding.embedding_dim, _dense=embedding)
+
+    def forward(self, ids):
+        if _tp()[1] == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start_index
+        outside = (local < 0) | (local >= self.num_embeddings_per_partition)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0)
+        return _ReduceFromTp.apply(out)
+
+    def logits(self, x, gather_output=False):
+        """x projected onto the table (a head tied to the embedding): this rank's vocabulary
+        slice of the logits, or, gathered, all of them."""
+        y = F.linear(_CopyToTp.apply(x), self.weight)
+        return _GatherFromTp.apply(y) if gather_output else y
+
+    def extra_repr(self):
+        return f"{self.num_embeddings_per_partition} of {self.num_embeddings}, {self.embedding_dim}"
+
+
+def vocab_parallel_cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
+    """Cross entropy over the whole vocabulary of vocabulary-parallel logits (N, V / tp_size) —
+    this rank's slice, tp_rank × V / tp_size onwards, as VocabParallelEmbedding.logits gives them —
+    against targets (N,) in [0, V), without gathering the logits: the maximum, the sum of
+    exponentials and the target's logit are reduced over the tp group. Computed in fp32; every tp
+    rank gets the same loss ("mean" over the rows whose target is not ignore_index, "sum" or
+    "none"), and the gradient of this rank's slice."""
+    if logits.dim() != 2 or target.shape != logits.shape[:1]:
+        raise _C.Error(f"vocab_parallel_cross_entropy: logits of (rows, vocabulary slice) and targets of (rows,), "
+                       f"got {tuple(logits.shape)} and {tuple(target.shape)}")
+    if reduction not in ("mean", "sum", "none"):
+        raise _C.Error(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    losses = vocab_parallel_losses(logits, target.long())
+    kept = (target != ignore_index).float()
+    losses = losses * kept
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.sum() / kept.sum()
+
+
+def vocab_parallel_losses(logits, target):
+    """Each row's loss (targets outside the vocabulary, as ignored ones, give a finite value)."""
+    rank, _ = _tp()
+    local = logits.shape[-1]
+    start = rank * local
+    x = logits.float()
+    peak = x.detach().max(dim=-1).values.contiguous()
+    _C._all_reduce(peak, "max", "tp")
+    shifted = x - peak[:, None]
+    sum_exp = _ReduceFromTp.apply(shifted.exp().sum(dim=-1))
+    here = (target >= start) & (target < start + local)
+    index = (target - start).clamp(0, local - 1)
+    picked = _ReduceFromTp.apply(shifted.gather(-1, index[:, None]).squeeze(-1) * here)
+    return sum_exp.log() - picked

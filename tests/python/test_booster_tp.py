@@ -122,6 +122,42 @@ class HybridParallel(unittest.TestCase):
                 model, ztrain.optim.AdamW(model.parameters()))
 
 
+class VocabParallel(unittest.TestCase):
+    """ztrain.nn's vocabulary-parallel embedding, its tied head and the cross entropy over
+    vocabulary-parallel logits against torch on the full table."""
+
+    def test_embedding_head_and_loss_equal_the_full_table(self):
+        torch.manual_seed(3)
+        full = torch.nn.Embedding(12, 5)
+        ids = torch.tensor([[0, 5, 6, 11], [3, 7, 1, 9]])
+        targets = torch.tensor([6, 11, -100, 0, 2, 8, 5, -100])
+        hidden = torch.randn(8, 5)
+        table = ztrain.nn.VocabParallelEmbedding.from_embedding(full)
+        rank, tp = ztrain._C._group_rank("tp"), ztrain._C._group_size("tp")
+        self.assertEqual(tuple(table.weight.shape), (12 // tp, 5))
+        self.assertEqual(table.weight.tp_split_dim, 0)
+
+        ref_h = hidden.clone().requires_grad_()
+        ref_loss = F.cross_entropy(F.linear(ref_h, full.weight), targets) + full(ids).square().sum()
+        ref_loss.backward()
+        h = hidden.clone().requires_grad_()
+        logits = table.logits(h)
+        self.assertEqual(tuple(logits.shape), (8, 12 // tp))
+        torch.testing.assert_close(table.logits(h, gather_output=True), F.linear(hidden, full.weight))
+        loss = ztrain.nn.vocab_parallel_cross_entropy(logits, targets) + table(ids).square().sum()
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(h.grad, ref_h.grad)  # summed over the tp ranks' slices
+        torch.testing.assert_close(table.weight.grad, full.weight.grad.chunk(tp)[rank])
+        rows = ztrain.nn.vocab_parallel_cross_entropy(logits.detach(), targets, reduction="none")
+        torch.testing.assert_close(rows, F.cross_entropy(F.linear(hidden, full.weight), targets, reduction="none"))
+        with self.assertRaisesRegex(ztrain.Error, "logits of \\(rows, vocabulary slice\\)"):
+            ztrain.nn.vocab_parallel_cross_entropy(logits[None], targets)
+        if tp > 1:
+            with self.assertRaisesRegex(ztrain.Error, "num_embeddings \\(7\\) does not divide by the 2"):
+                ztrain.nn.VocabParallelEmbedding(7, 4)
+
+
 if __name__ == "__main__":
     ztrain.init_distributed(seed=0, tp_size=TP)
     unittest.main()

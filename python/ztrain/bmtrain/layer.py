@@ -8,6 +8,7 @@ from .. import _C
 from .. import block as _block
 from .. import parameter as _parameter
 from .. import pipeline as _pipeline
+from ..nn import _CopyToTp
 from .distributed import all_gather
 from .global_var import config
 
@@ -63,21 +64,6 @@ def _tp_gather(x, dim):
     return torch.cat(all_gather(x, "tp_comm").unbind(0), dim=dim)
 
 
-class _SumOverTp(torch.autograd.Function):
-    """The identity whose backward sums the gradient over the tensor-parallel group: a parameter
-    replicated over tp whose uses differ between the tp ranks (the sequence-parallel parts)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        _C._all_reduce(grad, "sum", "tp")
-        return grad
-
-
 def _replicated_over_tp(p):
     return config.get("tp_size", 1) > 1 and getattr(p, "tp_split_dim", None) is None
 
@@ -108,7 +94,7 @@ class DistributedModule(torch.nn.Module):
             if isinstance(value, _parameter.DistributedParameter):
                 value = value.gather()
             if replicated and torch.is_grad_enabled() and value.requires_grad:
-                value = _SumOverTp.apply(value)
+                value = _CopyToTp.apply(value)  # the identity whose backward sums over tp
         return value
 
     def state_dict(self, destination=None, prefix="", keep_vars=False):

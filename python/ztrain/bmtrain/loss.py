@@ -9,24 +9,7 @@ same loss."""
 import torch
 
 from .. import _C
-from .distributed import all_reduce
-from .global_var import config
-
-
-def _vocab_parallel_cross_entropy(logits, target):
-    """Per-row loss of (N, V / tp_size) logits against (N,) targets in [0, V) (or ignored ones)."""
-    rank = config["tp_rank"]
-    local = logits.shape[-1]
-    start = rank * local
-    x = logits.float()
-    peak = x.detach().max(dim=-1).values.contiguous()
-    _C._all_reduce(peak, "max", "tp")
-    shifted = x - peak[:, None]
-    sum_exp = all_reduce(shifted.exp().sum(dim=-1), "sum", "tp_comm")
-    here = (target >= start) & (target < start + local)
-    index = (target - start).clamp(0, local - 1)
-    picked = all_reduce(shifted.gather(-1, index[:, None]).squeeze(-1) * here, "sum", "tp_comm")
-    return sum_exp.log() - picked
+from ..nn import vocab_parallel_losses
 
 
 class FusedCrossEntropy(torch.nn.Module):
@@ -52,7 +35,7 @@ class FusedCrossEntropy(torch.nn.Module):
             raise _C.Error(f"FusedCrossEntropy(parallel=True): logits of (rows, vocabulary slice) and targets of "
                            f"(rows,), got {tuple(input.shape)} and {tuple(target.shape)}")
         target = target.long()
-        loss = _vocab_parallel_cross_entropy(input, target)
+        loss = vocab_parallel_losses(input, target)
         ignored = target == self.ignore_index
         if self.weight is not None:
             w = self.weight.float()[torch.where(ignored, 0, target)].masked_fill(ignored, 0)
