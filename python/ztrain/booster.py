@@ -83,7 +83,9 @@ class Plugin:
 
     def configure(self, model):
         """Wraps `model`'s units in place (collective); returns their names."""
-        units = self._units(model)
+        return self._wrap(model, self._units(model))
+
+    def _wrap(self, model, units):
         self._check_unshared(model, units)
         lists = {}
         for name, parent, attribute, module in units:
@@ -206,7 +208,8 @@ class HybridParallelPlugin(Plugin):
             raise _C.Error(f"HybridParallelPlugin: pp_size={self.pp_size} but the runtime has {_C._group_size('pp')} "
                            f"pipeline stages; call ztrain.init_distributed(pp_size={self.pp_size})")
         modules = dict(model.named_modules())
-        units = [name for name, _, _, _ in self._units(model)]
+        units = self._units(model)  # the same modules after the cut: their Linear layers change
+        unit_names = [name for name, _, _, _ in units]
         style_of = {}  # module path -> (rule, style)
         for rule, style in self.tensor_parallel.items():
             pattern = re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in rule.split(".")))
@@ -219,7 +222,7 @@ class HybridParallelPlugin(Plugin):
                 if type(modules[name]) is not torch.nn.Linear:
                     raise _C.Error(f"HybridParallelPlugin: '{name}' (rule '{rule}') is a {type(modules[name]).__name__}; "
                                    "the rules split torch.nn.Linear layers")
-                if not any(name.startswith(unit + ".") for unit in units):
+                if not any(name.startswith(unit + ".") for unit in unit_names):
                     raise _C.Error(f"HybridParallelPlugin: '{name}' (rule '{rule}') is outside every unit the plugin "
                                    "wraps; tensor-parallel layers must be inside one")
                 style_of[name] = (rule, style)
@@ -239,11 +242,10 @@ class HybridParallelPlugin(Plugin):
         if self.adapt is not None:
             self.adapt(model, self.tp_size)
         if self.pp_size == 1:
-            return super().configure(model)
-        return self._cut_into_stages(model)
+            return self._wrap(model, units)
+        return self._cut_into_stages(model, units)
 
-    def _cut_into_stages(self, model):
-        units = self._units(model)
+    def _cut_into_stages(self, model, units):
         self._check_unshared(model, units)
         parents = {id(parent): parent for _, parent, _, _ in units}
         if len(parents) != 1 or not isinstance(next(iter(parents.values())), torch.nn.ModuleList):
