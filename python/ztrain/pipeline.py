@@ -168,6 +168,33 @@ class _StageOut(torch.autograd.Function):
         return recv_activations(stage + 1, device=grad.device)
 
 
+class _GatherLayerInputs(torch.autograd.Function):
+    """This stage's layers' inputs (layers, pipeline batch, ...) -> every layer's input for this
+    rank's part of the batch (all layers, part, ...): each stage in turn hands its inputs to the
+    others; backward gathers each stage's layers' gradients over the parts back to it."""
+
+    @staticmethod
+    def forward(ctx, local, counts):
+        size, stage = stages()
+        ctx.counts = counts
+        parts = []
+        for root, count in enumerate(counts):
+            held = local.detach().contiguous() if root == stage else local.new_empty((count,) + local.shape[1:])
+            _C._broadcast(held, root, "pp")
+            parts.append(held.chunk(size, dim=1)[stage])
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, stage = stages()
+        mine = None
+        for root, g in enumerate(grad.split(ctx.counts)):
+            whole = torch.cat(_C._all_gather(g.contiguous(), "pp").view((size,) + g.shape).unbind(0), dim=1)
+            if root == stage:
+                mine = whole
+        return mine, None
+
+
 class _ReduceOnce(torch.autograd.Function):
     """Placed after a block's output for each micro-batch: its backward runs just before the
     block's, turning the block's gradient reduction off for every micro-batch but the first,
@@ -287,7 +314,9 @@ class PipelineBlockList(torch.nn.Module):
                            f"{self.begin}..{self.end - 1})")
         return self._modules[str(index)]
 
-    def forward(self, x, *args, batch_related=()):
+    def forward(self, x, *args, batch_related=(), return_hidden_states=False):
+        """This rank's part of the output; with return_hidden_states also every layer's input
+        for this part, stacked (layers, part, ...)."""
         size, stage = stages()
         if size * x.shape[0] % self.micro_batches:
             raise _C.Error(f"PipelineBlockList: the pipeline's batch ({size} stages x {x.shape[0]}) does not "
@@ -295,18 +324,26 @@ class PipelineBlockList(torch.nn.Module):
         micro_args = micro_batch_args(args, x.shape[0], x.dim(), self.micro_batches, batch_related)
         if torch.is_grad_enabled() and not x.requires_grad and x.is_floating_point():
             x = x.detach().requires_grad_()  # so that every stage's micro-batches take part in backward
-        outputs = []
+        outputs, inputs = [], []
         grad = torch.is_grad_enabled() and self.micro_batches > 1
         for index, (micro, margs) in enumerate(zip(_PipeIn.apply(x).chunk(self.micro_batches), micro_args)):
             h = _StageIn.apply(micro) if stage > 0 else micro
             for block in self._modules.values():
+                if return_hidden_states:
+                    inputs.append(h)
                 h = block(h, *margs)
                 if not isinstance(h, torch.Tensor):
                     raise _C.Error("PipelineBlockList: each block must return one tensor to pass on")
                 if grad and h.requires_grad:
                     h = _ReduceOnce.apply(h, block._native, index == 0)
             outputs.append(_StageOut.apply(h) if stage < size - 1 else h)
-        return _PipeOut.apply(torch.cat(outputs))
+        out = _PipeOut.apply(torch.cat(outputs))
+        if not return_hidden_states:
+            return out
+        layers = self.end - self.begin
+        local = torch.cat([torch.stack(inputs[m * layers:(m + 1) * layers]) for m in range(self.micro_batches)], dim=1)
+        counts = [end - begin for begin, end in (stage_range(self.layers, s, size) for s in range(size))]
+        return out, _GatherLayerInputs.apply(local, counts)
 
 
 __all__ = ["PipelineBlockList", "send_activations", "recv_activations", "sum_over_stages", "stage_range",

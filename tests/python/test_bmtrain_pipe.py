@@ -6,12 +6,14 @@ as BMTrain's pipeline takes it, trained with AdamOptimizer, clipping and OptimMa
 scale, equals the same model in plain single-process PyTorch on the whole batch step by step:
 losses, the gradient norm (each parameter counted once although the embeddings live on every
 stage) and every parameter, which the stages gather into one state dict; bmt.save writes it and
-bmt.load reads it back into the stages; send_activations and recv_activations carry tensors of
-any shape and dtype between stages."""
+bmt.load reads it back into the stages; return_hidden_states gives every layer's input for this
+rank's part, and gradients flow back through them; send_activations and recv_activations carry
+tensors of any shape and dtype between stages."""
 import os
 import unittest
 
 import torch
+import torch.nn.functional as F
 
 import ztrain.bmtrain as bmt
 from bmtrain_gpt import Layernorm, check_save_and_load, reference_forward
@@ -36,6 +38,21 @@ class PipeGPT(bmt.DistributedModule):
     def forward(self, ids, pos, mask):
         out = self.transformers(self.pos_emb(pos) + self.word_emb(ids), mask)
         return self.word_emb(self.layernorm(out), projection=True)
+
+
+class Step(bmt.DistributedModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = bmt.nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Steps(bmt.DistributedModule):
+    def __init__(self):
+        super().__init__()
+        self.layers = bmt.PipelineTransformerBlockList([Step() for _ in range(LAYERS)])
 
 
 def part(x):
@@ -104,6 +121,29 @@ class Pipeline(unittest.TestCase):
             torch.testing.assert_close(fresh(part(ids), part(pos), part(mask)), model(part(ids), part(pos), part(mask)),
                                        atol=0, rtol=0)
 
+    def test_hidden_states_of_every_layer(self):
+        net = Steps()
+        bmt.init_parameters(net)
+        weights = net.state_dict()  # every stage's
+        gen = torch.Generator().manual_seed(7)
+        x_all = torch.randn(BATCH, 3, DIM, generator=gen)
+        coeff = torch.randn(LAYERS, BATCH, 3, DIM, generator=gen)
+        x = part(x_all).clone().requires_grad_()
+        out, hidden = net.layers(x, return_hidden_states=True)
+        (out.square().sum() + (hidden * coeff[:, part(torch.arange(BATCH))]).sum()).backward()
+
+        ref_x = x_all.clone().requires_grad_()
+        h, inputs = ref_x, []
+        for i in range(LAYERS):
+            inputs.append(h)
+            h = torch.tanh(F.linear(h, weights[f"layers.{i}.lin.weight"], weights[f"layers.{i}.lin.bias"]))
+        (h.square().sum() + (torch.stack(inputs) * coeff).sum()).backward()
+        torch.testing.assert_close(out, part(h).detach())
+        self.assertEqual(tuple(hidden.shape), (LAYERS,) + tuple(x.shape))
+        torch.testing.assert_close(hidden, torch.stack(inputs)[:, part(torch.arange(BATCH))].detach())
+        # Through the pipeline, the hidden states' own gradients and every rank's part.
+        torch.testing.assert_close(x.grad, part(ref_x.grad), rtol=1e-5, atol=1e-6)
+
     def test_activations_travel_between_stages(self):
         if config["pipe_size"] == 1:
             self.skipTest("one stage")
@@ -137,8 +177,6 @@ class Pipeline(unittest.TestCase):
         x = torch.randn(1, SEQ, DIM)
         with self.assertRaisesRegex(bmt._C.Error, "argument 1 requires a gradient"):
             layers(x, torch.ones(1, SEQ, SEQ, dtype=torch.bool).float().requires_grad_())
-        with self.assertRaisesRegex(bmt._C.Error, "return_hidden_states is not supported"):
-            layers(x, torch.ones(1, SEQ, SEQ, dtype=torch.bool), return_hidden_states=True)
         with self.assertRaisesRegex(bmt._C.Error, "1 layers cannot fill 2 pipeline stages"):
             bmt.PipelineTransformerBlockList([TransformerEncoder()])
 

@@ -204,8 +204,8 @@ class PipelineTransformerBlockList(_pipeline.PipelineBlockList):
     """BMTrain's PipelineTransformerBlockList: the layers cut over the pipeline stages as BMTrain
     cuts them, each stage keeping its own as Blocks (modules are wrapped at ZeRO level 2, as
     BMTrain's pipeline does; Blocks passed in keep their level). forward(hidden_state, *args,
-    batch_related=[]) takes this rank's part of the batch and returns this rank's part of the
-    output; the pipeline's batch is every stage's part, cut into config["micros"] micro-batches
+    batch_related=[], return_hidden_states=False) takes this rank's part of the batch and returns
+    this rank's part of the output (and every layer's input for it, stacked); the pipeline's batch is every stage's part, cut into config["micros"] micro-batches
     (ztrain.PipelineBlockList has the schedule). len() counts every layer; iteration and
     indexing reach this stage's."""
 
@@ -224,10 +224,8 @@ class PipelineTransformerBlockList(_pipeline.PipelineBlockList):
         self.layer_ids = range(self.begin, self.end)
 
     def forward(self, hidden_state, *args, batch_related=[], return_hidden_states=False):
-        if return_hidden_states:
-            raise _C.Error("PipelineTransformerBlockList: return_hidden_states is not supported by ztrain.bmtrain's "
-                           "pipeline")
-        return super().forward(hidden_state, *args, batch_related=batch_related)
+        return super().forward(hidden_state, *args, batch_related=batch_related,
+                               return_hidden_states=return_hidden_states)
 
     def get_range_by_stage_id(self, stage_id):
         return range(*_pipeline.stage_range(self.layers, stage_id, self.stages))
