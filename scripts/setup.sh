@@ -24,6 +24,8 @@ toolkit_libs=(libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcufft.so.12 l
 python_packages=(filelock==3.20.0 typing-extensions==4.15.0 sympy==1.14.0 mpmath==1.3.0
                  networkx==3.5 jinja2==3.1.6 markupsafe==3.0.3 fsspec==2025.10.0 "setuptools<82"
                  numpy==2.3.5 matplotlib==3.10.7
+                 # the Python package's test runner
+                 pytest==8.3.5 iniconfig==2.1.0 pluggy==1.6.0
                  # test references only: Hugging Face transformers (tests/apps/hf_interop_test.sh),
                  # tokenizers and sentencepiece (tests/apps/tokenizer_test.sh) and TensorBoard's event
                  # reader (tests/apps/tensorboard_test.sh)

@@ -16,11 +16,11 @@ stages.
 forward(x, *args) gathers the parts of x of the ranks of this rank's pipeline group (one rank per
 stage, with the same data-parallel and tensor-parallel place) into one batch, cuts it into
 `micro_batches` micro-batches and runs them through the stages (GPipe: each stage forwards the
-micro-batches in turn, sending each to the next stage, and backward runs them in reverse;
-each block's gradients are reduced over the data-parallel group once, after the last
-micro-batch's backward), then hands each rank the output of its own part. Tensor arguments whose first dimension is the
-batch and whose rank is x's (or those whose positions `batch_related` lists) are gathered and cut
-the same way; other arguments are stage 0's, passed to every micro-batch.
+micro-batches in turn, sending each to the next stage, and backward runs them in reverse; each
+block's gradients are reduced over the data-parallel group once, after the last micro-batch's
+backward), then hands each rank the output of its own part. Tensor arguments whose first
+dimension is the batch and whose rank is x's (or those whose positions `batch_related` lists)
+are gathered and cut the same way; other arguments are stage 0's, passed to every micro-batch.
 
 Parameters outside the pipeline (embeddings, the head) are held by every stage: after backward
 their gradients are summed over the stages (`sum_over_stages`, which ztrain's and
@@ -32,7 +32,7 @@ import pickle
 import torch
 
 from . import _C
-from .block import Block, native_view
+from .block import Block
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
            torch.uint8, torch.bool]

@@ -58,6 +58,11 @@ class Offload(unittest.TestCase):
                 self.assertEqual(steps, {5.0})
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

@@ -219,6 +219,11 @@ class BlockParity(unittest.TestCase):
             block(x=torch.ones(1, 2))
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

@@ -273,6 +273,11 @@ class RunUnchanged(unittest.TestCase):
             self.assertIn("this rank runs on the CPU", out.stdout)
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     bmt.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

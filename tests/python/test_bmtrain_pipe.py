@@ -181,7 +181,12 @@ class Pipeline(unittest.TestCase):
             bmt.PipelineTransformerBlockList([TransformerEncoder()])
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
     bmt.init_distributed(seed=0, pipe_size=2 if world % 2 == 0 else -1)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

@@ -279,6 +279,11 @@ class Functions(unittest.TestCase):
         self.assertEqual(ranks, [topology.tp_idx * self.tp + i for i in range(self.tp)])
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     bmt.init_distributed(seed=0, tp_size=2 if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) % 2 == 0 else 1)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

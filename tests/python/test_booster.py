@@ -278,6 +278,11 @@ class Errors(unittest.TestCase):
             booster.boost(model, optimizer.optim)
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

@@ -158,6 +158,11 @@ class VocabParallel(unittest.TestCase):
                 ztrain.nn.VocabParallelEmbedding(7, 4)
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     ztrain.init_distributed(seed=0, tp_size=TP)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

@@ -53,6 +53,11 @@ class Launch(unittest.TestCase):
         self.assertLess(time.monotonic() - start, 60)
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

@@ -109,6 +109,11 @@ class NativeAdamAgainstTorch(unittest.TestCase):
         self.assertTrue(issubclass(ztrain.CommError, ztrain.Error))
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

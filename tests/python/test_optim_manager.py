@@ -103,6 +103,11 @@ class Manager(unittest.TestCase):
             manager.add_optimizer(torch.optim.SGD(blocks.parameters(), lr=0.1))
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()

@@ -105,6 +105,11 @@ class DistributedParameterTest(unittest.TestCase):
         self.assertEqual(ztrain.state_dict(block)["weight"].tolist(), torch.arange(12.0).view(3, 4).tolist())
 
 
-if __name__ == "__main__":
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
     ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
     unittest.main()
