@@ -88,6 +88,7 @@ struct TrainArgs {
   std::optional<int64_t> micro_batches;  // with pp: per step (default 2 × pp)
   int chunks = 2;                        // per rank, with the interleaved schedule
   bool offload = false;
+  std::string offload_dir;
   Placement where;
   std::string tensorboard;            // event files' directory; empty: none
 };
@@ -254,14 +255,17 @@ struct KillSwitch {
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainArgs& a, torch::nn::Module& model) {
   const auto params = model.parameters();
   ZTRAIN_CHECK(!(a.offload && a.optimizer == "sgd"), "--offload needs --optimizer adamw or adam");
+  ZTRAIN_CHECK(a.offload_dir.empty() || a.optimizer != "sgd", "--offload-dir needs --optimizer adamw or adam");
   if (a.optimizer == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(a.lr).momentum(0.9));
   auto options = (a.optimizer == "adam" ? zt::optim::AdamOptions::adam(a.lr) : zt::optim::AdamOptions(a.lr))
                      .betas({a.beta1, a.beta2})
                      .weight_decay(a.weight_decay);
   // Weight decay skips biases, norm weights and the embeddings (zt::optim::default_weight_decay).
   auto groups = zt::optim::weight_decay_groups(model, options);
-  if (a.offload) return std::make_unique<zt::optim::AdamOffload>(model, std::move(groups), options);
-  return std::make_unique<zt::optim::AdamW>(std::move(groups), options);
+  zt::optim::AdamEngineOptions engine;
+  if (!a.offload_dir.empty()) engine.state_dir = a.offload_dir;
+  if (a.offload) return std::make_unique<zt::optim::AdamOffload>(model, std::move(groups), options, engine);
+  return std::make_unique<zt::optim::AdamW>(std::move(groups), options, engine);
 }
 
 std::shared_ptr<zt::LRScheduler> make_schedule(const TrainArgs& a) {
@@ -810,6 +814,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   train_cmd->add_flag("--offload", t.offload,
                       "adam/adamw: run the update on a background thread, overlapping the next forward (AdamOffload)");
+  train_cmd->add_option("--offload-dir", t.offload_dir,
+                        "adam/adamw: keep the optimizer state in files in this directory instead of memory, read in "
+                        "before each parameter's update and written back after it (ZeRO-Infinity's offload to disk)");
   train_cmd->add_option("--lr", t.lr, "peak learning rate")->capture_default_str();
   train_cmd->add_option("--min-lr", t.min_lr, "learning rate at the end of the decay")->capture_default_str();
   std::vector<std::string> schedules;

@@ -56,11 +56,13 @@ class NativeAdam {
   NativeAdam(const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>& groups, bool decoupled,
              std::optional<int> num_threads)
       : decoupled_(decoupled), opt_(make(groups, decoupled, num_threads)) {}
-  NativeAdam(std::shared_ptr<torch::nn::Module> model, const Hyper& h, std::optional<int> num_threads)
+  NativeAdam(std::shared_ptr<torch::nn::Module> model, const Hyper& h, std::optional<int> num_threads,
+             std::optional<std::string> state_dir)
       : decoupled_(true),
         model_(std::move(model)),
-        opt_(std::make_unique<zt::optim::AdamOffload>(*model_, adam_options(h, true),
-                                                      zt::optim::AdamEngineOptions{.num_threads = num_threads})) {}
+        opt_(std::make_unique<zt::optim::AdamOffload>(
+            *model_, adam_options(h, true),
+            zt::optim::AdamEngineOptions{.num_threads = num_threads, .state_dir = std::move(state_dir)})) {}
 
   void set_options(size_t group, const Hyper& h) {
     ZTRAIN_CHECK(group < opt_->param_groups().size(), "optimizer group ", group, " does not exist (",
@@ -510,9 +512,11 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<const std::vector<std::pair<std::vector<torch::Tensor>, Hyper>>&, bool, std::optional<int>>())
       .def_static(
           "offload",
-          [](const Blocks& blocks, const NamedTensors& params, const Hyper& h, std::optional<int> num_threads) {
-            return std::make_shared<NativeAdam>(model_view(blocks, params), h, num_threads);
+          [](const Blocks& blocks, const NamedTensors& params, const Hyper& h, std::optional<int> num_threads,
+             std::optional<std::string> state_dir) {
+            return std::make_shared<NativeAdam>(model_view(blocks, params), h, num_threads, std::move(state_dir));
           },
+          py::arg("blocks"), py::arg("params"), py::arg("hyper"), py::arg("num_threads"), py::arg("state_dir") = py::none(),
           release())
       .def("set_options", &NativeAdam::set_options)
       .def("params", &NativeAdam::params)

@@ -126,12 +126,16 @@ class AdamOffload(_NativeAdam):
     Blocks at once, hands each Block shard's update to its thread and returns; a Block waits for
     its own shard only when its forward needs it. The numbers are AdamW's bit for bit. step()
     takes the gradients (every .grad is None afterwards); wait() blocks until the updates are done
-    and raises an update's error.
+    and raises an update's error. state_dir: the state in files there instead of memory, read in
+    before each update and written back after it (ZeRO-Infinity's offload to disk; the same
+    numbers).
     """
 
-    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, num_threads=None):
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, num_threads=None,
+                 state_dir=None):
         native = _C._Adam.offload(*native_view(model), (float(lr), float(betas[0]), float(betas[1]), float(eps),
-                                                        float(weight_decay)), num_threads)
+                                                        float(weight_decay)), num_threads,
+                                  None if state_dir is None else str(state_dir))
         super().__init__(native.params(0), lr, betas, eps, weight_decay, num_threads, native)
 
     def wait(self):

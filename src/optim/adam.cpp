@@ -4,6 +4,7 @@
 #include <ztrain/torch_compat.h>
 
 #include "adam_kernels.h"
+#include "mapped_state.h"
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
@@ -268,13 +269,48 @@ torch::Tensor AdamW::step(LossClosure closure) {
   }
   torch::NoGradGuard no_grad;
   check_step();  // everything is checked before anything changes
+  std::vector<std::pair<torch::Tensor, const AdamOptions*>> todo;
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const AdamOptions&>(group.options());
     for (const auto& p : group.params()) {
-      if (p.grad().defined()) update(p, p.grad(), options);
+      if (p.grad().defined()) todo.emplace_back(p, &options);
     }
   }
+  if (!todo.empty()) read_ahead(todo.front().first);
+  for (size_t i = 0; i < todo.size(); ++i) {
+    if (i + 1 < todo.size()) read_ahead(todo[i + 1].first);
+    update(todo[i].first, todo[i].first.grad(), *todo[i].second);
+    write_behind(todo[i].first);
+  }
   return loss;
+}
+
+torch::Tensor AdamW::new_state(const torch::Tensor& param, c10::Device device) const {
+  if (engine_.state_dir && device.is_cpu()) return detail::mapped_zeros(*engine_.state_dir, param.sizes());
+  // Host state of a device parameter is pinned, so that its copies run at full speed.
+  return torch::zeros(param.sizes(), torch::TensorOptions().dtype(torch::kFloat32).device(device).pinned_memory(
+                                          device.is_cpu() && !param.is_cpu()));
+}
+
+AdamParamState* AdamW::find_state(const torch::Tensor& param) {
+  const auto it = state_.find(ztrain::detail::optimizer_state_key(param));
+  return it == state_.end() ? nullptr : &static_cast<AdamStateEntry&>(*it->second).state;
+}
+
+void AdamW::read_ahead(const torch::Tensor& param) {
+  if (!engine_.state_dir) return;
+  if (auto* s = find_state(param)) {
+    for (const auto* t : {&s->exp_avg, &s->exp_avg_sq, &s->master}) detail::read_ahead(*t);
+  }
+}
+
+void AdamW::write_behind(const torch::Tensor& param) {
+  if (!engine_.state_dir) return;
+  if (auto* s = find_state(param)) {
+    for (const auto* t : {&s->exp_avg, &s->exp_avg_sq, &s->master}) {
+      if (t->defined() && t->is_cpu()) detail::write_behind(*t);
+    }
+  }
 }
 
 AdamParamState& AdamW::state_for(const torch::Tensor& param) {
@@ -282,12 +318,9 @@ AdamParamState& AdamW::state_for(const torch::Tensor& param) {
   if (!slot) {
     AdamParamState fresh;
     const auto device = state_device(param);
-    // Host state of a device parameter is pinned, so that its copies run at full speed.
-    const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32).device(device).pinned_memory(
-        device.is_cpu() && !param.is_cpu());
-    fresh.exp_avg = torch::zeros(param.sizes(), fp32);
-    fresh.exp_avg_sq = torch::zeros(param.sizes(), fp32);
-    if (needs_master(param, device)) fresh.master = torch::empty(param.sizes(), fp32).copy_(param);
+    fresh.exp_avg = new_state(param, device);
+    fresh.exp_avg_sq = new_state(param, device);
+    if (needs_master(param, device)) fresh.master = new_state(param, device).copy_(param);
     slot = std::make_unique<AdamStateEntry>(std::move(fresh));
   }
   return static_cast<AdamStateEntry&>(*slot).state;
@@ -379,8 +412,15 @@ void AdamW::set_state(const torch::Tensor& param, AdamParamState state) {
   }
   ZTRAIN_CHECK(found, "set_state: the tensor is not a parameter of this optimizer");
   check_param(param, "set_state");
-  check_state(state, param, state_device(param), "set_state");
+  const auto device = state_device(param);
+  check_state(state, param, device, "set_state");
+  if (engine_.state_dir && device.is_cpu()) {  // into files of its own
+    for (auto* t : {&state.exp_avg, &state.exp_avg_sq, &state.master}) {
+      if (t->defined()) *t = new_state(param, device).copy_(*t);
+    }
+  }
   state_[ztrain::detail::optimizer_state_key(param)] = std::make_unique<AdamStateEntry>(std::move(state));
+  write_behind(param);
 }
 
 void AdamW::save(torch::serialize::OutputArchive& archive) const {

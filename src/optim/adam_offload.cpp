@@ -119,20 +119,27 @@ torch::Tensor AdamOffload::step(LossClosure closure) {
         state_for(p);  // created here, so the update thread never inserts into the state map
         deferred.push_back({p, grad, &options, std::move(fence)});
       } else {
+        read_ahead(p);
         update(p, grad, options);
+        write_behind(p);
       }
     }
   }
+  if (!deferred.empty()) read_ahead(deferred.front().param);
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& d : deferred) {
+  for (size_t k = 0; k < deferred.size(); ++k) {
+    const auto& d = deferred[k];
+    const torch::Tensor next = k + 1 < deferred.size() ? deferred[k + 1].param : torch::Tensor();
     auto promise = std::make_shared<std::promise<void>>();
     std::shared_future<void> done = promise->get_future().share();
     d.fence->set(done);
     in_flight_.push_back(done);
     // Options are copied: a scheduler may change the group's lr before the update runs.
-    queue_.push_back([this, d, options = *d.options, promise] {
+    queue_.push_back([this, d, next, options = *d.options, promise] {
       try {
+        if (next.defined()) read_ahead(next);  // its state read in while this one updates
         update(d.param, d.grad, options);
+        write_behind(d.param);
         promise->set_value();
       } catch (...) {
         promise->set_exception(std::current_exception());

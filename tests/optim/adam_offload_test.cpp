@@ -4,6 +4,8 @@
 #include "test_util.h"
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 namespace ztrain::test {
 namespace adam_offload_test {
@@ -24,25 +26,54 @@ struct Run {
   std::vector<double> losses;
   std::vector<std::pair<std::string, torch::Tensor>> params;
   std::vector<int64_t> steps;  // AdamParamState::step of every optimizer parameter
+  std::vector<std::pair<std::string, int64_t>> state_mappings;  // each state tensor's file and resident kB
 };
+
+/// The file behind the mapping that holds `address` in this process, and how many kB of it are
+/// resident ("" when it is not a file mapping).
+std::pair<std::string, int64_t> mapping_of(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  std::string line;
+  bool inside = false;
+  std::string path;
+  while (std::getline(smaps, line)) {
+    std::istringstream fields(line);
+    std::string range;
+    fields >> range;
+    if (const auto dash = range.find('-'); dash != std::string::npos && range.find(':') == std::string::npos) {
+      const auto begin = std::stoull(range.substr(0, dash), nullptr, 16), end = std::stoull(range.substr(dash + 1), nullptr, 16);
+      inside = begin <= at && at < end;
+      std::string perms, offset, device, inode;
+      fields >> perms >> offset >> device >> inode;
+      std::getline(fields >> std::ws, path);
+    } else if (inside && range == "Rss:") {
+      int64_t kb = 0;
+      fields >> kb;
+      return {path, kb};
+    }
+  }
+  return {"", -1};
+}
 
 /// AdamW over the model's parameters, AdamOffload over the model.
 template <class Optimizer>
-Optimizer optimizer_for(torch::nn::Module& model, const optim::AdamOptions& options) {
+Optimizer optimizer_for(torch::nn::Module& model, const optim::AdamOptions& options,
+                        const optim::AdamEngineOptions& engine) {
   if constexpr (std::is_same_v<Optimizer, optim::AdamOffload>) {
-    return Optimizer(model, options);
+    return Optimizer(model, options, engine);
   } else {
-    return Optimizer(model.parameters(), options);
+    return Optimizer(model.parameters(), options, engine);
   }
 }
 
 template <class Optimizer>
-Run train(int level, c10::ScalarType dtype, int grad_accum) {
+Run train(int level, c10::ScalarType dtype, int grad_accum, const optim::AdamEngineOptions& engine = {}) {
   auto c = kConfig;
   c.dtype = dtype;
   Gpt model(c, {.zero_level = level, .use_checkpoint = level % 2 == 1});
   init_parameters(*model, {.seed = 3, .init = models::gpt_init(c)});
-  Optimizer opt = optimizer_for<Optimizer>(*model, optim::AdamOptions(1e-2).weight_decay(0.1));
+  Optimizer opt = optimizer_for<Optimizer>(*model, optim::AdamOptions(1e-2).weight_decay(0.1), engine);
   optim::OptimManager mgr(*model);
   // The schedule changes the lr after each step, while AdamOffload's updates may still run.
   mgr.add_optimizer(opt, std::make_shared<lr_scheduler::Cosine>(
@@ -60,7 +91,14 @@ Run train(int level, c10::ScalarType dtype, int grad_accum) {
     mgr.step();
     run.losses.push_back(sum_loss(torch::tensor(loss)).item<double>());
   }
-  for (const auto& p : model->parameters()) run.steps.push_back(opt.state_of(p) ? opt.state_of(p)->step : -1);
+  for (const auto& p : model->parameters()) {
+    const auto* s = opt.state_of(p);
+    run.steps.push_back(s ? s->step : -1);
+    if (!s) continue;
+    for (const auto* t : {&s->exp_avg, &s->exp_avg_sq, &s->master}) {
+      if (t->defined() && t->numel() > 0) run.state_mappings.push_back(mapping_of(t->data_ptr()));
+    }
+  }
   run.params = gathered_parameters(*model);
   return run;
 }
@@ -81,6 +119,49 @@ TEST(AdamOffload, EqualsAdamWBitForBitAtEveryZeroLevel) {
       EXPECT_EQ(got.steps.front(), kSteps);
     }
   }
+}
+
+// ZeRO-Infinity's offload of the optimizer state to disk: with a state_dir the moments and masters
+// are mappings of (unlinked) files there, none of their pages resident between steps, and the
+// training is the same bit for bit, for AdamW and AdamOffload.
+TEST(AdamOffload, StateInFilesEqualsStateInMemory) {
+  const auto dir = c10::str(std::filesystem::temp_directory_path().string(), "/ztrain_state_dir_", ::getpid());
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (int level : {0, 3}) {
+      SCOPED_TRACE(c10::str("level ", level, " ", dtype));
+      const auto ref = train<optim::AdamW>(level, dtype, 1);
+      for (const auto& got : {train<optim::AdamW>(level, dtype, 1, {.state_dir = dir}),
+                              train<optim::AdamOffload>(level, dtype, 1, {.state_dir = dir})}) {
+        for (int i = 0; i < kSteps; ++i) EXPECT_EQ(got.losses[i], ref.losses[i]) << "step " << i;
+        for (size_t i = 0; i < ref.params.size(); ++i) {
+          EXPECT_TRUE(tensors_equal(got.params[i].second, ref.params[i].second)) << ref.params[i].first;
+        }
+        EXPECT_EQ(got.steps, ref.steps);
+        ASSERT_FALSE(got.state_mappings.empty());
+        for (const auto& [path, resident_kb] : got.state_mappings) {
+          EXPECT_EQ(path.rfind(dir + "/ztrain-optimizer-state-", 0), 0u) << path;
+          EXPECT_NE(path.find("(deleted)"), std::string::npos) << path;
+          EXPECT_EQ(resident_kb, 0) << path;
+        }
+      }
+      for (const auto& m : ref.state_mappings) EXPECT_EQ(m.first.find(dir), std::string::npos) << "in memory";
+    }
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the state files are unlinked";
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+TEST(AdamOffload, StateDirThatCannotBeUsedIsNamed) {
+  torch::nn::Linear layer(4, 4);
+  const auto file = c10::str(std::filesystem::temp_directory_path().string(), "/ztrain_not_a_dir_", ::getpid(), "_",
+                             runtime().rank());
+  std::ofstream(file) << "x";
+  optim::AdamW opt(layer->parameters(), optim::AdamOptions(1e-2), {.state_dir = file + "/state"});
+  layer(torch::ones({1, 4})).sum().backward();
+  const auto message = error_message([&] { opt.step(); });
+  EXPECT_NE(message.find("optimizer state_dir '" + file + "/state'"), std::string::npos) << message;
+  std::filesystem::remove(file);
 }
 
 // A model with a plain parameter next to sharded ones: the plain one is updated inside step(),

@@ -1,5 +1,8 @@
 """ztrain.optim.AdamOffload against ztrain.optim.AdamW: the same numbers bit for bit, the update
-behind the next forward, at every world size it is launched with."""
+behind the next forward, the state in memory or in files (state_dir), at every world size it is
+launched with."""
+import os
+import tempfile
 import unittest
 
 import torch
@@ -22,9 +25,9 @@ class Net(torch.nn.Module):
         return self.head(self.blocks(x)).pow(2).mean()
 
 
-def train(level, offload):
+def train(level, offload, state_dir=None):
     model = Net(level)
-    opt = (ztrain.optim.AdamOffload(model, lr=1e-2, weight_decay=0.1) if offload
+    opt = (ztrain.optim.AdamOffload(model, lr=1e-2, weight_decay=0.1, state_dir=state_dir) if offload
            else ztrain.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     losses = []
     gen = torch.Generator().manual_seed(ztrain.rank())
@@ -45,10 +48,11 @@ def train(level, offload):
 
 class Offload(unittest.TestCase):
     def test_equals_adamw_bit_for_bit(self):
+        state_dir = tempfile.mkdtemp()  # the state on disk (for levels 1 and 3)
         for level in range(4):
             with self.subTest(level=level):
                 want_losses, want, _ = train(level, False)
-                losses, got, opt = train(level, True)
+                losses, got, opt = train(level, True, state_dir if level % 2 else None)
                 self.assertEqual(losses, want_losses)
                 self.assertEqual(sorted(got), sorted(want))
                 for name in want:
@@ -56,6 +60,15 @@ class Offload(unittest.TestCase):
                 self.assertEqual(len(opt.param_groups), 1)
                 steps = {opt.state_dict()["state"][i]["step"].item() for i in opt.state_dict()["state"]}
                 self.assertEqual(steps, {5.0})
+                if level % 2:  # the state lives in files there, unlinked: nothing left in the directory
+                    exp_avg = opt._native.state(opt.param_groups[0]["params"][0])[1]
+                    maps = open("/proc/self/maps").read().splitlines()
+                    at = exp_avg.data_ptr()
+                    line = next(m for m in maps if int(m.split()[0].split("-")[0], 16) <= at
+                                < int(m.split()[0].split("-")[1], 16))
+                    self.assertIn(os.path.join(state_dir, "ztrain-optimizer-state-"), line)
+                    self.assertEqual(os.listdir(state_dir), [])
+        os.rmdir(state_dir)
 
 
 def init_distributed():

@@ -58,6 +58,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -119,6 +120,15 @@ struct AdamEngineOptions {
   /// A tensor is split over threads only when each gets at least this many elements; smaller
   /// tensors are updated inline by the calling thread. >= 1.
   int64_t min_numel_per_thread = 65536;
+  /// Optimizer state held on the CPU (moments and masters: of CPU parameters, and AdamOffload's
+  /// host state of device parameters) in files under this directory instead of memory — ZeRO-
+  /// Infinity's offload of the optimizer state to disk. Each state tensor is a shared mapping of
+  /// a file of its own (created with its space reserved, unlinked at once: nothing is left
+  /// behind); step() asks the kernel to read the next parameter's state in while it updates one,
+  /// and writes each parameter's state back and drops it from memory after its update, so
+  /// between steps the state occupies disk, not this process's memory. The updates are the same
+  /// bit for bit. Unset: in memory.
+  std::optional<std::string> state_dir;
 };
 
 /// AdamW, or Adam for groups whose options have decoupled_weight_decay(false).
@@ -171,12 +181,20 @@ class AdamW : public torch::optim::Optimizer {
   /// One update of `param` with `grad` (thread-compatible: different parameters may be updated
   /// on another thread once their state exists).
   void update(const torch::Tensor& param, const torch::Tensor& grad, const AdamOptions& options);
+  /// With state_dir: starts reading `param`'s existing state in (an update soon to come).
+  void read_ahead(const torch::Tensor& param);
+  /// With state_dir: writes `param`'s state back to its files and drops it from memory.
+  void write_behind(const torch::Tensor& param);
   /// Called before the state is read or replaced from outside (an asynchronous subclass waits
   /// for its updates).
   virtual void sync() const {}
 
  private:
   void check_params(const torch::optim::OptimizerParamGroup& group, size_t index) const;
+  /// The state of `param`, or null (no waiting: for the updating thread).
+  AdamParamState* find_state(const torch::Tensor& param);
+  /// A zero fp32 state tensor like `param` on `device` (in a file with state_dir).
+  torch::Tensor new_state(const torch::Tensor& param, c10::Device device) const;
 
   AdamEngineOptions engine_;
   AdamKernel kernel_;
