@@ -516,7 +516,8 @@ PYBIND11_MODULE(_C, m) {
              std::optional<std::string> state_dir) {
             return std::make_shared<NativeAdam>(model_view(blocks, params), h, num_threads, std::move(state_dir));
           },
-          py::arg("blocks"), py::arg("params"), py::arg("hyper"), py::arg("num_threads"), py::arg("state_dir") = py::none(),
+          py::arg("blocks"), py::arg("params"), py::arg("hyper"), py::arg("num_threads"),
+          py::arg("state_dir") = py::none(),
           release())
       .def("set_options", &NativeAdam::set_options)
       .def("params", &NativeAdam::params)

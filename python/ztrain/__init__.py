@@ -29,9 +29,9 @@ from .pipeline import PipelineBlockList, data_parallel
 
 __all__ = ["Error", "CommError", "init_distributed", "is_initialized", "finalize_distributed", "rank",
            "world_size", "local_rank", "device", "synchronize", "sum_loss", "print_rank", "optim", "Block",
-           "BlockList", "PipelineBlockList", "data_parallel", "no_sync", "DistributedParameter", "save", "load", "save_optimizer", "load_optimizer",
-           "state_dict", "load_state_dict", "init_parameters", "memory_stats", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "checkpoints", "booster", "nn"]
+           "BlockList", "PipelineBlockList", "data_parallel", "no_sync", "DistributedParameter", "save", "load",
+           "save_optimizer", "load_optimizer", "state_dict", "load_state_dict", "init_parameters", "memory_stats",
+           "save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoints", "booster", "nn"]
 
 
 def init_distributed(seed=0, tp_size=1, pp_size=1, timeout=None, device=None, threads=None, backend=None):

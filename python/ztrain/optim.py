@@ -61,6 +61,7 @@ class _NativeAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_options()
+        sum_over_stages(self._params())
         self._native.step()
         return loss
 
@@ -182,15 +183,17 @@ class OptimManager:
 
     def backward(self, loss):
         self._native.backward(loss)
-        sum_over_stages(self._params)
 
     def clip_grad_norm(self, max_norm):
+        sum_over_stages(self._params)
         return self._native.clip_grad_norm(float(max_norm))
 
     def grad_norm(self):
+        sum_over_stages(self._params)
         return self._native.grad_norm()
 
     def step(self):
+        sum_over_stages(self._params)
         for optimizer in self.optimizers:
             optimizer._sync_options()
         applied = self._native.step()

@@ -22,10 +22,10 @@ backward), then hands each rank the output of its own part. Tensor arguments who
 dimension is the batch and whose rank is x's (or those whose positions `batch_related` lists)
 are gathered and cut the same way; other arguments are stage 0's, passed to every micro-batch.
 
-Parameters outside the pipeline (embeddings, the head) are held by every stage: after backward
-their gradients are summed over the stages (`sum_over_stages`, which ztrain's and
-ztrain.bmtrain's OptimManagers call), so that they stay equal, and a global gradient norm counts
-them once.
+Parameters outside the pipeline (embeddings, the head) are held by every stage: their gradients
+are summed over the stages once backward is done with them (`sum_over_stages`, which the
+OptimManagers' clip_grad_norm, grad_norm and step and ztrain.optim's step call first), so that
+they stay equal, and a global gradient norm counts them once.
 """
 import pickle
 
@@ -33,6 +33,8 @@ import torch
 
 from . import _C
 from .block import Block
+
+_backward_passes = 0  # backward passes through a pipeline so far (the same count on every rank)
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
            torch.uint8, torch.bool]
@@ -132,6 +134,8 @@ class _PipeOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        global _backward_passes
+        _backward_passes += 1  # gradients of the parameters outside the pipeline to sum over the stages
         whole = _gather_stages(grad)
         return whole if ctx.last else whole.new_zeros(()).expand(ctx.shape)
 
@@ -221,14 +225,18 @@ def stage_range(layers, stage, size):
 
 
 def sum_over_stages(params):
-    """Sums over the pipeline stages the gradients of `params` that every stage holds (all but
-    the shards of pipeline blocks): call after backward, on every rank (collective)."""
+    """Sums over the pipeline stages the gradients of those of `params` that every stage holds
+    (all but the shards of pipeline blocks) and that backward passes through a pipeline have
+    added to since they were last summed: once after all of a step's backward passes (gradient
+    accumulation, no_sync), before the gradients are read. Collective, on every rank alike."""
     size, _ = stages()
     if size == 1:
         return
     by_dtype = {}
     for p in params:
-        if p.requires_grad and not getattr(p, "_pipeline_stage", False):
+        if (p.requires_grad and not getattr(p, "_pipeline_stage", False)
+                and getattr(p, "_summed_at", 0) < _backward_passes):
+            p._summed_at = _backward_passes
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             by_dtype.setdefault(p.grad.dtype, []).append(p)

@@ -42,7 +42,8 @@ std::pair<std::string, int64_t> mapping_of(const void* address) {
     std::string range;
     fields >> range;
     if (const auto dash = range.find('-'); dash != std::string::npos && range.find(':') == std::string::npos) {
-      const auto begin = std::stoull(range.substr(0, dash), nullptr, 16), end = std::stoull(range.substr(dash + 1), nullptr, 16);
+      const auto begin = std::stoull(range.substr(0, dash), nullptr, 16);
+      const auto end = std::stoull(range.substr(dash + 1), nullptr, 16);
       inside = begin <= at && at < end;
       std::string perms, offset, device, inode;
       fields >> perms >> offset >> device >> inode;

@@ -121,6 +121,45 @@ class Pipeline(unittest.TestCase):
             torch.testing.assert_close(fresh(part(ids), part(pos), part(mask)), model(part(ids), part(pos), part(mask)),
                                        atol=0, rtol=0)
 
+    def test_accumulated_steps_and_inspection(self):
+        """Two backward passes (each on half of the parts) before one step equal one pass on the
+        whole: the gradients of the parameters every stage holds are summed over the stages once;
+        inspect_model sees every stage's layers with the whole gradient."""
+        def run(halves):
+            model = PipeGPT()
+            bmt.init_parameters(model)
+            optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, eps=1e-6)
+            manager = bmt.optim.OptimManager(loss_scale=None)
+            manager.add_optimizer(optimizer)
+            loss_func = torch.nn.CrossEntropyLoss(ignore_index=-100, reduction="sum")  # halves add up
+            ids, targets = data(0)
+            pos, mask = masks(ids)
+            ids, targets, pos, mask = (part(t) for t in (ids, targets, pos, mask))
+            manager.zero_grad()
+            n = ids.shape[0] // halves
+            for h in range(halves):
+                rows = slice(h * n, (h + 1) * n)
+                logits = model(ids[rows], pos[rows], mask[rows])
+                manager.backward(loss_func(logits.reshape(-1, VOCAB), targets[rows].reshape(-1)) / 100)
+            summary = {s["name"]: s for s in bmt.inspect.inspect_model(model, "*")}
+            norm = manager.clip_grad_norm(optimizer.param_groups, 1e9)
+            manager.step()
+            return summary, norm, model.state_dict()
+
+        if BATCH // bmt.world_size() < 2:
+            self.skipTest("one sequence per rank")
+        whole, whole_norm, whole_params = run(1)
+        halves, halves_norm, halves_params = run(2)
+        self.assertEqual(sorted(whole), sorted(halves))
+        self.assertEqual(len(whole), 4 + 16 * LAYERS)  # every stage's layers
+        self.assertAlmostEqual(halves_norm, whole_norm, delta=1e-5 * whole_norm)
+        for name, summary in whole.items():
+            self.assertAlmostEqual(halves[name]["grad_std"], summary["grad_std"], delta=1e-6 + 1e-4 * summary["grad_std"],
+                                   msg=name)
+        for name, value in whole_params.items():
+            if not name.endswith("project_k.bias"):  # a gradient of rounding only, which Adam magnifies
+                torch.testing.assert_close(halves_params[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
     def test_hidden_states_of_every_layer(self):
         net = Steps()
         bmt.init_parameters(net)

@@ -28,8 +28,8 @@ from .layer import (Block, CheckpointBlock, DistributedModule, DistributedParame
 
 __all__ = ["config", "rank", "world_size", "init_distributed", "DistributedParameter", "ParameterInitializer",
            "DistributedModule", "init_parameters", "grouped_parameters", "synchronize", "sum_loss", "Block",
-           "CheckpointBlock", "TransformerBlockList", "PipelineTransformerBlockList", "save", "load", "print_rank", "distributed", "inspect", "loss",
-           "lr_scheduler", "nn", "optim", "utils"]
+           "CheckpointBlock", "TransformerBlockList", "PipelineTransformerBlockList", "save", "load", "print_rank",
+           "distributed", "inspect", "loss", "lr_scheduler", "nn", "optim", "utils"]
 
 
 def init_distributed(init_method="env://", seed=0, pipe_size=-1, num_micro_batches=None, tp_size=1):

@@ -2,9 +2,9 @@
 communicators. `comm` names a group ("comm" and "zero_comm": every rank, "pp_zero_comm": every
 rank of the pipeline stage, "tp_comm": tensor-parallel, "tp_zero_comm": the data-parallel ranks of
 one tp_rank, "pp_tp_zero_comm": those of one stage, "pipe_comm": one rank per pipeline stage;
-bmt.config holds these names); None is every rank. As in BMTrain, the backward of all_gather keeps this rank's slice of the gradient
-and that of a sum all_reduce passes the gradient through: the loss is taken to be replicated
-over the group."""
+bmt.config holds these names); None is every rank. As in BMTrain, the backward of all_gather
+keeps this rank's slice of the gradient and that of a sum all_reduce passes the gradient
+through: the loss is taken to be replicated over the group."""
 import torch
 
 from .. import _C

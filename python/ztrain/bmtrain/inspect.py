@@ -12,6 +12,7 @@ import math
 import torch
 
 from .. import _C
+from .. import pipeline as _pipeline
 from ..block import Block, native_view
 from ..model_file import state_dict
 
@@ -106,22 +107,31 @@ def record_tensor(x, name, group=None):
 
 
 def _gradient_moments(model):
-    """{name: (Σg, Σg², n)} of every parameter's gradient summed over the ranks (collective)."""
+    """{name: (Σg, Σg², n)} of every parameter's gradient summed over the ranks (collective).
+    With pipeline stages, each stage counts its own layers and the first one the parameters
+    every stage holds."""
+    _pipeline.sum_over_stages(list(model.parameters()))  # those every stage holds, complete
+    size, stage = _pipeline.stages()
+    own = _pipeline.stage_local_names(model) if size > 1 else None
     blocks, params = native_view(model)
     whole = {id(m._native) for _, m in model.named_modules() if isinstance(m, Block) and m.zero_level == 0}
     parts = {}
     for path, native in blocks:
-        if id(native) in whole and _C.rank() != 0:
-            continue  # level 0: every rank holds the whole gradient; count it once
+        if id(native) in whole and _C._group_rank("stage") != 0:
+            continue  # level 0: every rank of the stage holds the whole gradient; count it once
         shards = native.shards()
         for g, name, offset, n in native.pieces():
             grad = shards[g].grad
             full = path if isinstance(native, _C._Parameter) else (f"{path}.{name}" if path else name)
+            if stage > 0 and full not in own:
+                continue  # every stage holds it, with the same gradient: the first counts it
             parts.setdefault(full, []).append(None if grad is None else grad.narrow(0, offset, n))
     if _C.rank() == 0:  # replicated: counted once
         for name, p in params:
             parts.setdefault(name, []).append(p.grad)
-    names = [name for name, _ in _C._parameter_shapes(*native_view(model))]  # the same list on every rank
+    names = [name for name, _ in _C._parameter_shapes(*native_view(model))]
+    if size > 1:  # the same list on every rank: every stage's names
+        names = sorted(set().union(*_pipeline.stage_objects(names)))
     sums = torch.zeros(len(names), 3, dtype=torch.float64)
     for i, name in enumerate(names):
         for g in parts.get(name, []):

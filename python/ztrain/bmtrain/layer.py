@@ -205,9 +205,9 @@ class PipelineTransformerBlockList(_pipeline.PipelineBlockList):
     cuts them, each stage keeping its own as Blocks (modules are wrapped at ZeRO level 2, as
     BMTrain's pipeline does; Blocks passed in keep their level). forward(hidden_state, *args,
     batch_related=[], return_hidden_states=False) takes this rank's part of the batch and returns
-    this rank's part of the output (and every layer's input for it, stacked); the pipeline's batch is every stage's part, cut into config["micros"] micro-batches
-    (ztrain.PipelineBlockList has the schedule). len() counts every layer; iteration and
-    indexing reach this stage's."""
+    this rank's part of the output (and every layer's input for it, stacked); the pipeline's
+    batch is every stage's part, cut into config["micros"] micro-batches (ztrain.PipelineBlockList
+    has the schedule). len() counts every layer; iteration and indexing reach this stage's."""
 
     def __init__(self, modules, num_hidden=1):
         _require_init("PipelineTransformerBlockList")

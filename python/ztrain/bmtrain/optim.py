@@ -99,7 +99,7 @@ class OptimManager:
     brings its part of the batch) divided by grad_scale (config["zero_size"], the ranks of one
     stage). Plain torch parameters outside Blocks and DistributedParameters are kept replicated:
     their gradients are averaged over the data-parallel group in backward; those outside the
-    pipeline are summed over the stages."""
+    pipeline are summed over the stages by clip_grad_norm or step, whichever comes first."""
 
     def __init__(self, loss_scale=None, loss_scale_factor=2, loss_scale_steps=1024, min_loss_scale=1,
                  max_loss_scale=float("inf"), grad_scale=None):
@@ -151,7 +151,6 @@ class OptimManager:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 _C._all_reduce(p.grad, "avg", "dp")
-        _pipeline.sum_over_stages(p for opt in self.optimizers for p in opt._params())
 
     def clip_grad_norm(self, param_groups, max_norm, norm_type=2, eps=1e-6):
         """Clips the gradients of every managed parameter to a global L2 norm of max_norm and
@@ -164,7 +163,12 @@ class OptimManager:
         if given != managed:
             raise _C.Error("OptimManager.clip_grad_norm: pass the param_groups of every added optimizer; clipping "
                            "part of the parameters is not supported")
-        return self._manager().clip_grad_norm(float(max_norm))
+        manager = self._manager()
+        self._sum_over_stages()
+        return manager.clip_grad_norm(float(max_norm))
+
+    def _sum_over_stages(self):
+        _pipeline.sum_over_stages([p for opt in self.optimizers for p in opt._params()])
 
     def state_dict(self, gather_opt=False):
         """BMTrain's layout: {"optimizers": [each optimizer's state_dict()], "lr_schedulers":
@@ -205,6 +209,7 @@ class OptimManager:
 
     def step(self):
         manager = self._manager()
+        self._sum_over_stages()
         for optimizer in self.optimizers:
             optimizer._sync_options()
         before = manager.loss_scale
