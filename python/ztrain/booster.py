@@ -56,6 +56,7 @@ from .pipeline import PipelineBlockList, stages
 from .checkpoint import load_checkpoint, save_checkpoint
 from .model_file import load, load_optimizer, save, save_optimizer
 from .optim import AdamOffload, OptimManager, _NativeAdam
+from .parameter import all_reduce_gradients
 
 
 class Plugin:
@@ -354,19 +355,7 @@ class Booster:
             self._average_replicated()
 
     def _average_replicated(self):
-        by_dtype = {}
-        for p in self._replicated:
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            _C._all_reduce(flat, "avg", "dp")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        all_reduce_gradients([p for p in self._replicated if p.requires_grad], "avg", "dp")
 
     def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss=True, return_outputs=False):
         """One step's forward and backward on next(data_iter), a batch that every rank of a

@@ -58,6 +58,24 @@ class DistributedParameter(torch.nn.Parameter):
         raise _C.Error("DistributedParameter: a shard cannot be pickled or copied; save the model with ztrain.save")
 
 
+def all_reduce_gradients(params, op, group):
+    """Reduces the gradients of `params` over `group` in place ("sum" or "avg"), one collective
+    per dtype over the gradients laid end to end; a missing gradient counts as zero. Every rank
+    passes the same parameters in the same order."""
+    by_dtype = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        _C._all_reduce(flat, op, group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def held_by_every_stage(native):
     """Marks an engine module as held by every pipeline stage (how a global gradient norm counts
     it), as all are but a PipelineBlockList's blocks."""

@@ -33,6 +33,7 @@ import torch
 
 from . import _C
 from .block import Block
+from .parameter import all_reduce_gradients
 
 _backward_passes = 0  # backward passes through a pipeline so far (the same count on every rank)
 
@@ -46,24 +47,34 @@ def stages():
     return _C._group_size("pp"), _C._group_rank("pp")
 
 
+def _header(x, what):
+    """x's dtype and shape as a fixed-size int64 tensor (an empty one for x None: to receive into)."""
+    if x is None:
+        return torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+    if x.dtype not in _DTYPES or x.dim() > _MAX_DIMS:
+        raise _C.Error(f"{what}: {x.dtype} tensors of at most {_MAX_DIMS} dimensions, got {x.dtype} "
+                       f"of shape {tuple(x.shape)}")
+    return torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.int64)
+
+
+def _empty_like_header(header, device):
+    dims = int(header[1])
+    return torch.empty([int(d) for d in header[2:2 + dims]], dtype=_DTYPES[int(header[0])], device=device)
+
+
 def send_activations(x, stage, group="pp"):
     """Sends a tensor of any shape and dtype to `stage` of the pipeline group (its rank in
     `group`), which receives it with recv_activations."""
     x = x.detach().contiguous()
-    if x.dtype not in _DTYPES or x.dim() > _MAX_DIMS:
-        raise _C.Error(f"send_activations: {x.dtype} tensors of at most {_MAX_DIMS} dimensions, got {x.dtype} "
-                       f"of shape {tuple(x.shape)}")
-    header = [_DTYPES.index(x.dtype), x.dim(), *x.shape] + [0] * (_MAX_DIMS - x.dim())
-    _C._send(torch.tensor(header, dtype=torch.int64), stage, group)
+    _C._send(_header(x, "send_activations"), stage, group)
     _C._send(x, stage, group)
 
 
 def recv_activations(stage, group="pp", device=None):
     """The tensor `stage` sent with send_activations."""
-    header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+    header = _header(None, "recv_activations")
     _C._recv(header, stage, group)
-    dtype, dims = _DTYPES[int(header[0])], int(header[1])
-    out = torch.empty([int(d) for d in header[2:2 + dims]], dtype=dtype, device=device or _C.device())
+    out = _empty_like_header(header, device or _C.device())
     _C._recv(out, stage, group)
     return out
 
@@ -123,12 +134,9 @@ class _PipeOut(torch.autograd.Function):
         size, stage = stages()
         last = stage == size - 1
         ctx.shape, ctx.last = y.shape, last
-        header = torch.tensor(([_DTYPES.index(y.dtype), y.dim(), *y.shape] if last else [0, 0])
-                              + [0] * (_MAX_DIMS - (y.dim() if last else 0)), dtype=torch.int64)
+        header = _header(y if last else None, "PipelineBlockList")  # the last stage's output's shape
         _C._broadcast(header, size - 1, "pp")
-        dims = int(header[1])
-        out = y.detach().clone() if last else torch.empty([int(d) for d in header[2:2 + dims]],
-                                                          dtype=_DTYPES[int(header[0])], device=y.device)
+        out = y.detach().clone() if last else _empty_like_header(header, y.device)
         _C._broadcast(out, size - 1, "pp")
         return out.chunk(size)[stage].clone()
 
@@ -232,21 +240,11 @@ def sum_over_stages(params):
     size, _ = stages()
     if size == 1:
         return
-    by_dtype = {}
-    for p in params:
-        if (p.requires_grad and not getattr(p, "_pipeline_stage", False)
-                and getattr(p, "_summed_at", 0) < _backward_passes):
-            p._summed_at = _backward_passes
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for held in by_dtype.values():  # the same order on every stage: the parameters every stage holds
-        flat = torch.cat([p.grad.reshape(-1) for p in held])
-        _C._all_reduce(flat, "sum", "pp")
-        offset = 0
-        for p in held:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+    held = [p for p in params if p.requires_grad and not getattr(p, "_pipeline_stage", False)
+            and getattr(p, "_summed_at", 0) < _backward_passes]  # the same list on every stage
+    for p in held:
+        p._summed_at = _backward_passes
+    all_reduce_gradients(held, "sum", "pp")
 
 
 def data_parallel():

@@ -84,6 +84,14 @@ def reference(steps, make_model=TinyLM):
     return losses, model.state_dict(), norms
 
 
+def check_params(test, model, want):
+    """Every full parameter of `model` (all stages') equals `want`'s."""
+    got = ztrain.state_dict(model)
+    test.assertEqual(set(got), set(want))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
 def boosted(plugin):
     model = TinyLM()
     optimizer = ztrain.optim.AdamW(model.parameters(), lr=LR)
@@ -111,10 +119,7 @@ class Plugins(unittest.TestCase):
                 booster, model, optimizer = boosted(make())
                 losses = train(booster, model, optimizer, 4)
                 torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-                got = ztrain.state_dict(model)
-                self.assertEqual(set(got), set(want_params))
-                for key, value in want_params.items():
-                    torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+                check_params(self, model, want_params)
                 self.assertGreater(optimizer.last_grad_norm, 0)
 
     def test_weight_decay_groups_equal_one_process(self):

@@ -12,7 +12,7 @@ import torch
 
 import ztrain
 from ztrain.booster import Booster, HybridParallelPlugin
-from test_booster import BATCH, CLIP, LR, TinyLM, batch, reference
+from test_booster import BATCH, CLIP, LR, TinyLM, batch, check_params, reference
 
 
 def part(ids):
@@ -31,12 +31,6 @@ def boosted(zero_stage, micro_batches=None):
 
 
 class PipelineStages(unittest.TestCase):
-    def check_params(self, model, want):
-        got = ztrain.state_dict(model)  # every stage's layers
-        self.assertEqual(set(got), set(want))
-        for key, value in want.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
-
     def test_each_rank_its_part_equals_one_process(self):
         want_losses, want_params, want_norms = reference(4)
         pp, stage = ztrain._C._group_size("pp"), ztrain._C._group_rank("pp")
@@ -56,7 +50,7 @@ class PipelineStages(unittest.TestCase):
                 torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
                 # The whole batch's gradient: the tied embedding and the norm, on both stages, count once.
                 torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-6)
-                self.check_params(model, want_params)
+                check_params(self, model, want_params)
 
     def test_execute_pipeline_cuts_one_batch_per_pipeline(self):
         want_losses, want_params, _ = reference(3)
@@ -72,7 +66,7 @@ class PipelineStages(unittest.TestCase):
             self.assertEqual(out["outputs"].dim(), 0)  # what the model returned: this rank's part's loss
             losses.append(ztrain.sum_loss(out["loss"]).item())
         torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-        self.check_params(model, want_params)
+        check_params(self, model, want_params)
 
     def test_saved_file_is_the_plain_model(self):
         booster, model, optimizer = boosted(1)
@@ -86,7 +80,7 @@ class PipelineStages(unittest.TestCase):
             self.assertAlmostEqual(ztrain.sum_loss(model(part(ids))).item(), plain(ids).item(), places=5)
         fresh_booster, fresh, _ = boosted(3)
         fresh_booster.load_model(fresh, path)
-        self.check_params(fresh, dict(plain.state_dict()))
+        check_params(self, fresh, dict(plain.state_dict()))
         ztrain.synchronize()
         if ztrain.rank() == 0:
             os.remove(path)
