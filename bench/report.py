@@ -499,6 +499,18 @@ def plots(rows, img_dir):
 
 # ---- main ---------------------------------------------------------------------------------------
 
+def replace_section(doc, begin, end, text):
+    """Puts `text` between the markers `begin` and `end` of the page `doc`."""
+    page = open(doc).read()
+    if begin not in page or end not in page:
+        sys.exit(f"report: {doc} lacks the markers {begin} and {end}")
+    head, rest = page.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(doc, "w") as f:
+        f.write(head + begin + "\n" + text + end + tail)
+    print(f"report: wrote {doc}", file=sys.stderr)
+
+
 def render(rows, meta, results, img_rel):
     parts = [header(meta, rows)]
     peers, _ = peers_section(rows, img_rel)
@@ -522,14 +534,7 @@ def main():
     if a.print or not a.doc:
         sys.stdout.write(text)
     else:
-        page = open(a.doc).read()
-        if BEGIN not in page or END not in page:
-            sys.exit(f"report: {a.doc} lacks the markers {BEGIN} and {END}")
-        head, rest = page.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        with open(a.doc, "w") as f:
-            f.write(head + BEGIN + "\n" + text + END + tail)
-        print(f"report: wrote {a.doc}", file=sys.stderr)
+        replace_section(a.doc, BEGIN, END, text)
     if a.img:
         plots(rows, a.img)
     return 0

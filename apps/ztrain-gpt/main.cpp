@@ -89,6 +89,7 @@ struct TrainArgs {
   int chunks = 2;                        // per rank, with the interleaved schedule
   bool offload = false;
   std::string offload_dir;
+  std::string offload_param_dir;
   Placement where;
   std::string tensorboard;            // event files' directory; empty: none
 };
@@ -337,6 +338,11 @@ double accumulate(const Trainee& t, const std::vector<torch::Tensor>& micro_batc
 }
 
 /// The plugin --plugin names.
+/// --offload-param-dir, if given.
+std::optional<std::string> param_dir(const TrainArgs& a) {
+  return a.offload_param_dir.empty() ? std::nullopt : std::optional<std::string>(a.offload_param_dir);
+}
+
 std::shared_ptr<zt::Plugin> make_plugin(const TrainArgs& a) {
   if (a.plugin == "ddp") return std::make_shared<zt::DataParallel>();
   if (a.plugin == "zero1" || a.plugin == "zero2") {
@@ -353,7 +359,8 @@ std::shared_ptr<zt::Plugin> make_plugin(const TrainArgs& a) {
         .policy = zt::models::plain_gpt_policy(),
         .use_checkpoint = a.model.recompute});
   }
-  return std::make_shared<zt::FullyShard>(zt::FullyShardOptions{.use_checkpoint = a.model.recompute});
+  return std::make_shared<zt::FullyShard>(
+      zt::FullyShardOptions{.use_checkpoint = a.model.recompute, .offload_dir = param_dir(a)});
 }
 
 /// The model: the ZeRO engine's Gpt without a plugin, else PlainGpt — under HybridParallel made
@@ -361,7 +368,7 @@ std::shared_ptr<zt::Plugin> make_plugin(const TrainArgs& a) {
 Trainee make_trainee(const TrainArgs& a, const GptConfig& config, zt::Plugin* plugin) {
   Trainee t;
   if (!plugin) {
-    Gpt model(config, {.zero_level = a.model.zero_level, .use_checkpoint = a.model.recompute});
+    Gpt model(config, {.zero_level = a.model.zero_level, .use_checkpoint = a.model.recompute, .offload_dir = param_dir(a)});
     t.module = model.ptr();
     t.loss = [model](const torch::Tensor& b) mutable { return model->loss(b); };
     t.hold = [model]() mutable { return std::make_shared<zt::NoGradientSync>(*model); };
@@ -471,6 +478,8 @@ int train(TrainArgs a) {
   ZTRAIN_CHECK(a.plugin.empty() || a.plugin == "hybrid" || (a.tp == 1 && a.pp == 1), "--plugin ", a.plugin,
                " is data parallel only: --plugin hybrid takes --tp and --pp, and without --plugin --tp trains on the "
                "ZeRO engine");
+  ZTRAIN_CHECK(a.offload_param_dir.empty() || a.plugin == "fsdp" || (a.plugin.empty() && a.model.zero_level >= 2),
+               "--offload-param-dir keeps parameter shards on disk: it needs --zero-level 2 or 3, or --plugin fsdp");
   if (a.pp > 1) a.plugin = "hybrid";  // pipeline stages are HybridParallel's
   auto& rt = start({.seed = a.seed, .tp_size = a.tp, .pp_size = a.pp}, a.where);
   const int dp = rt.dp().size();
@@ -817,6 +826,10 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--offload-dir", t.offload_dir,
                         "adam/adamw: keep the optimizer state in files in this directory instead of memory, read in "
                         "before each parameter's update and written back after it (ZeRO-Infinity's offload to disk)");
+  train_cmd->add_option("--offload-param-dir", t.offload_param_dir,
+                        "with --zero-level 2 or 3 (or --plugin fsdp): keep each block's parameter and gradient shards in "
+                        "files in this directory instead of memory, read in ahead of each gather (ZeRO-Infinity's "
+                        "parameter offload; with --offload-dir the whole model state is on disk)");
   train_cmd->add_option("--lr", t.lr, "peak learning rate")->capture_default_str();
   train_cmd->add_option("--min-lr", t.min_lr, "learning rate at the end of the decay")->capture_default_str();
   std::vector<std::string> schedules;

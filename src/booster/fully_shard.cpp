@@ -80,7 +80,8 @@ void FullyShard::boost(torch::nn::Module& model, torch::optim::Optimizer& optimi
 
   const auto unit = detail::optimizer_units(optimizer);
   const BlockOptions block{.zero_level = 3, .use_checkpoint = options_.use_checkpoint,
-                           .prefetch_depth = options_.prefetch_depth, .context = context.shared_from_this()};
+                           .prefetch_depth = options_.prefetch_depth, .context = context.shared_from_this(),
+                           .offload_dir = options_.offload_dir};
   order_ = std::make_shared<detail::ExecutionOrder>();
   for (auto& list : lists) {
     list.second->shard(block, ShardGrouping{.unit = unit});

@@ -1,10 +1,10 @@
 #include <ztrain/optim/adam.h>
 
 #include <ztrain/error.h>
+#include <ztrain/runtime/mapped_file.h>
 #include <ztrain/torch_compat.h>
 
 #include "adam_kernels.h"
-#include "mapped_state.h"
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
@@ -286,7 +286,7 @@ torch::Tensor AdamW::step(LossClosure closure) {
 }
 
 torch::Tensor AdamW::new_state(const torch::Tensor& param, c10::Device device) const {
-  if (engine_.state_dir && device.is_cpu()) return detail::mapped_zeros(*engine_.state_dir, param.sizes());
+  if (engine_.state_dir && device.is_cpu()) return ztrain::detail::mapped_zeros(*engine_.state_dir, param.sizes(), torch::kFloat32, "optimizer state_dir");
   // Host state of a device parameter is pinned, so that its copies run at full speed.
   return torch::zeros(param.sizes(), torch::TensorOptions().dtype(torch::kFloat32).device(device).pinned_memory(
                                           device.is_cpu() && !param.is_cpu()));
@@ -298,18 +298,19 @@ AdamParamState* AdamW::find_state(const torch::Tensor& param) {
 }
 
 void AdamW::read_ahead(const torch::Tensor& param) {
-  if (!engine_.state_dir) return;
+  // Each is read from its file only where it has one: the state with a state_dir, a block's
+  // parameter and gradient shards with BlockOptions::offload_dir.
+  ztrain::detail::read_ahead(param);
+  ztrain::detail::read_ahead(param.grad());
   if (auto* s = find_state(param)) {
-    for (const auto* t : {&s->exp_avg, &s->exp_avg_sq, &s->master}) detail::read_ahead(*t);
+    for (const auto* t : {&s->exp_avg, &s->exp_avg_sq, &s->master}) ztrain::detail::read_ahead(*t);
   }
 }
 
 void AdamW::write_behind(const torch::Tensor& param) {
-  if (!engine_.state_dir) return;
+  ztrain::detail::write_behind(param);
   if (auto* s = find_state(param)) {
-    for (const auto* t : {&s->exp_avg, &s->exp_avg_sq, &s->master}) {
-      if (t->defined() && t->is_cpu()) detail::write_behind(*t);
-    }
+    for (const auto* t : {&s->exp_avg, &s->exp_avg_sq, &s->master}) ztrain::detail::write_behind(*t);
   }
 }
 

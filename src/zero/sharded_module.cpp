@@ -6,6 +6,7 @@
 #include <ztrain/error.h>
 #include <ztrain/optim/param_groups.h>
 #include <ztrain/runtime/init.h>
+#include <ztrain/runtime/mapped_file.h>
 #include <ztrain/runtime/rng.h>
 #include <ztrain/runtime/tp_rng.h>
 
@@ -160,6 +161,12 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
   ZTRAIN_CHECK(options_.prefetch_depth >= 0, kind_, ": prefetch_depth must be >= 0, got ", options_.prefetch_depth);
   context_ = context_or_default(options_.context);
   auto& dp = context_->dp();
+  if (options_.offload_dir) {
+    ZTRAIN_CHECK(policy_->shards_parameters, kind_, ": offload_dir keeps parameter shards on disk, which needs "
+                 "zero_level 2 or 3 (got ", options_.zero_level, "); for the optimizer state alone use AdamW's state_dir");
+    ZTRAIN_CHECK(context_->device().is_cpu(), kind_, ": offload_dir keeps CPU parameter shards on disk; on ",
+                 context_->device(), " keep the optimizer state on the host or disk with AdamOffload (state_dir)");
+  }
 
   std::unordered_set<const void*> seen;
   std::ostringstream signature;
@@ -259,7 +266,11 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
     } else if (!policy_->shards_parameters) {
       group.shard = detail::alias(group.full, begin, {end - begin});
     } else {
-      group.shard = detail::flat_buffer(end - begin, keys[g].dtype, device, shared).copy_(group.full.narrow(0, begin, end - begin));
+      group.shard = options_.offload_dir
+                        ? detail::mapped_zeros(*options_.offload_dir, {end - begin}, keys[g].dtype, kind_ + ": offload_dir")
+                        : detail::flat_buffer(end - begin, keys[g].dtype, device, shared);
+      group.shard.copy_(group.full.narrow(0, begin, end - begin));
+      detail::write_behind(group.shard);
       detail::free_storage(group.full);
     }
     const auto name = c10::str("zero_shard_", g);
@@ -329,6 +340,7 @@ void ShardedModule::start_gather() {
       gathering_.push_back(stream.all_gather(group.full.narrow(0, begin, end - begin), group.full));
     } else {
       detail::allocate_storage(group.full);
+      detail::read_ahead(group.shard);  // a shard on disk
       gathering_.push_back(stream.all_gather(group.shard.detach(), group.full));
     }
   }
@@ -562,12 +574,15 @@ void ShardedModule::reduce_gradient(size_t g, torch::Tensor flat_grad) {
   const bool all_reduce = policy_->gradient == GradientReduction::kAllReduce;
   auto shard = groups_[g].shard;
   stream.submit(
-      [shard, flat_grad, all_reduce](Communicator& dp) mutable {
+      [shard, flat_grad, all_reduce, dir = options_.offload_dir, what = kind_ + ": offload_dir"](Communicator& dp) mutable {
         torch::Tensor result = flat_grad;
         if (all_reduce) {
           dp.all_reduce(flat_grad, ReduceOp::kAvg);
         } else {
-          result = torch::empty({flat_grad.numel() / dp.size()}, flat_grad.options());
+          // With offload_dir the gradient shard is a file too, unless one exists to add into.
+          const int64_t numel = flat_grad.numel() / dp.size();
+          result = dir && !shard.grad().defined() ? detail::mapped_zeros(*dir, {numel}, flat_grad.scalar_type(), what)
+                                                  : torch::empty({numel}, flat_grad.options());
           dp.reduce_scatter(flat_grad, result, ReduceOp::kAvg);
         }
         flat_grad = torch::Tensor();  // the buffer goes as soon as it is reduced

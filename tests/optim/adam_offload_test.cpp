@@ -27,6 +27,7 @@ struct Run {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   std::vector<int64_t> steps;  // AdamParamState::step of every optimizer parameter
   std::vector<std::pair<std::string, int64_t>> state_mappings;  // each state tensor's file and resident kB
+  std::vector<std::pair<std::string, int64_t>> shard_mappings;  // each block parameter shard's
 };
 
 /// The file behind the mapping that holds `address` in this process, and how many kB of it are
@@ -69,10 +70,11 @@ Optimizer optimizer_for(torch::nn::Module& model, const optim::AdamOptions& opti
 }
 
 template <class Optimizer>
-Run train(int level, c10::ScalarType dtype, int grad_accum, const optim::AdamEngineOptions& engine = {}) {
+Run train(int level, c10::ScalarType dtype, int grad_accum, const optim::AdamEngineOptions& engine = {},
+          std::optional<std::string> param_dir = std::nullopt) {
   auto c = kConfig;
   c.dtype = dtype;
-  Gpt model(c, {.zero_level = level, .use_checkpoint = level % 2 == 1});
+  Gpt model(c, {.zero_level = level, .use_checkpoint = level % 2 == 1, .offload_dir = param_dir});
   init_parameters(*model, {.seed = 3, .init = models::gpt_init(c)});
   Optimizer opt = optimizer_for<Optimizer>(*model, optim::AdamOptions(1e-2).weight_decay(0.1), engine);
   optim::OptimManager mgr(*model);
@@ -99,6 +101,9 @@ Run train(int level, c10::ScalarType dtype, int grad_accum, const optim::AdamEng
     for (const auto* t : {&s->exp_avg, &s->exp_avg_sq, &s->master}) {
       if (t->defined() && t->numel() > 0) run.state_mappings.push_back(mapping_of(t->data_ptr()));
     }
+  }
+  for (const auto& p : model->named_parameters()) {
+    if (p.key().find(".h.") != std::string::npos) run.shard_mappings.push_back(mapping_of(p.value().data_ptr()));
   }
   run.params = gathered_parameters(*model);
   return run;
@@ -140,7 +145,7 @@ TEST(AdamOffload, StateInFilesEqualsStateInMemory) {
         EXPECT_EQ(got.steps, ref.steps);
         ASSERT_FALSE(got.state_mappings.empty());
         for (const auto& [path, resident_kb] : got.state_mappings) {
-          EXPECT_EQ(path.rfind(dir + "/ztrain-optimizer-state-", 0), 0u) << path;
+          EXPECT_EQ(path.rfind(dir + "/ztrain-offload-", 0), 0u) << path;
           EXPECT_NE(path.find("(deleted)"), std::string::npos) << path;
           EXPECT_EQ(resident_kb, 0) << path;
         }
@@ -151,6 +156,43 @@ TEST(AdamOffload, StateInFilesEqualsStateInMemory) {
   EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the state files are unlinked";
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+}
+
+// ZeRO-Infinity's parameter offload: with BlockOptions::offload_dir (and the state in files too)
+// every block's parameter shard is a mapping of an unlinked file there, none of its pages resident
+// after the step wrote it back, and the training is the same bit for bit.
+TEST(AdamOffload, ShardsInFilesEqualShardsInMemory) {
+  const auto dir = c10::str(std::filesystem::temp_directory_path().string(), "/ztrain_param_dir_", ::getpid());
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::str(dtype));
+    const auto ref = train<optim::AdamW>(3, dtype, 2);
+    for (const auto& got : {train<optim::AdamW>(3, dtype, 2, {.state_dir = dir}, dir),
+                            train<optim::AdamOffload>(3, dtype, 2, {.state_dir = dir}, dir)}) {
+      for (int i = 0; i < kSteps; ++i) EXPECT_EQ(got.losses[i], ref.losses[i]) << "step " << i;
+      for (size_t i = 0; i < ref.params.size(); ++i) {
+        EXPECT_TRUE(tensors_equal(got.params[i].second, ref.params[i].second)) << ref.params[i].first;
+      }
+      ASSERT_GE(got.shard_mappings.size(), static_cast<size_t>(kConfig.n_layer));
+      for (const auto& [path, resident_kb] : got.shard_mappings) {
+        EXPECT_EQ(path.rfind(dir + "/ztrain-offload-", 0), 0u) << path;
+        EXPECT_NE(path.find("(deleted)"), std::string::npos) << path;
+        EXPECT_EQ(resident_kb, 0) << path;
+      }
+    }
+    for (const auto& m : ref.shard_mappings) EXPECT_EQ(m.first.find(dir), std::string::npos) << "in memory";
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the files are unlinked";
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
+
+TEST(AdamOffload, ParameterShardsOnDiskNeedShardedParameters) {
+  const auto dir = std::filesystem::temp_directory_path().string();
+  for (int level : {0, 1}) {
+    const auto message = error_message([&] { Gpt model(kConfig, {.zero_level = level, .offload_dir = dir}); });
+    EXPECT_NE(message.find("offload_dir keeps parameter shards on disk, which needs zero_level 2 or 3"), std::string::npos)
+        << message;
+  }
 }
 
 TEST(AdamOffload, StateDirThatCannotBeUsedIsNamed) {

@@ -66,7 +66,7 @@ class Offload(unittest.TestCase):
                     at = exp_avg.data_ptr()
                     line = next(m for m in maps if int(m.split()[0].split("-")[0], 16) <= at
                                 < int(m.split()[0].split("-")[1], 16))
-                    self.assertIn(os.path.join(state_dir, "ztrain-optimizer-state-"), line)
+                    self.assertIn(os.path.join(state_dir, "ztrain-offload-"), line)
                     self.assertEqual(os.listdir(state_dir), [])
         os.rmdir(state_dir)
 

@@ -46,6 +46,9 @@ struct FullyShardOptions {
   int64_t bucket_bytes = int64_t{25} << 20;
   /// The mesh whose dp group the plugin spans. Not set: the default context (init_distributed).
   std::shared_ptr<ParallelContext> context;
+  /// The layers' parameter and gradient shards in files in this directory instead of memory
+  /// (BlockOptions::offload_dir; CPU only). Unset: in memory.
+  std::optional<std::string> offload_dir;
 };
 
 namespace detail {

@@ -181,9 +181,10 @@ class AdamW : public torch::optim::Optimizer {
   /// One update of `param` with `grad` (thread-compatible: different parameters may be updated
   /// on another thread once their state exists).
   void update(const torch::Tensor& param, const torch::Tensor& grad, const AdamOptions& options);
-  /// With state_dir: starts reading `param`'s existing state in (an update soon to come).
+  /// Starts reading in what of `param`'s update lives in files (its state with state_dir, the
+  /// parameter and its gradient when they are shards on disk): an update soon to come.
   void read_ahead(const torch::Tensor& param);
-  /// With state_dir: writes `param`'s state back to its files and drops it from memory.
+  /// Writes what of `param` and its state lives in files back to them and drops it from memory.
   void write_behind(const torch::Tensor& param);
   /// Called before the state is read or replaced from outside (an asynchronous subclass waits
   /// for its updates).
