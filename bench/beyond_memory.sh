@@ -23,7 +23,7 @@
 #   --docs              write the section of docs/benchmarks.md between <!-- beyond_memory:begin -->
 #                       and <!-- beyond_memory:end -->
 #
-# Needs root (cgroups) and hours of disk traffic at the largest sizes: about 50 minutes with the
+# Needs root (cgroups) and much disk traffic at the largest sizes: about 25 minutes with the
 # defaults on the 2-core development machine.
 set -euo pipefail
 
@@ -84,14 +84,17 @@ device=$(basename "$(df --output=source "$dir" | tail -n 1)")
 [[ -r /sys/class/block/$device/stat ]] || fail "no block device statistics for $dir ($device)"
 io_bytes() { awk -v field="$1" '{printf "%.0f\n", $field * 512}' "/sys/class/block/$device/stat"; }
 
+# Processes the kernel killed in the group for want of memory, so far.
+oom_kills() { awk '$1 == "oom_kill" {print $2}' "$memcg/$group/memory.oom_control"; }
+
 # run NAME PARAMS_M METRICS COMMAND...: one run in the group; appends its JSON line (METRICS:
 # ztrain-gpt's metrics.jsonl, else the peer's result line in the log gives the step time).
 run() {
   local name=$1 params=$2 metrics=$3; shift 3
   local log=$results/logs/$name.log
   echo 0 >"$memcg/$group/memory.max_usage_in_bytes"
-  local read0 written0
-  read0=$(io_bytes 3) written0=$(io_bytes 7)
+  local read0 written0 oom0
+  read0=$(io_bytes 3) written0=$(io_bytes 7) oom0=$(oom_kills)
   local before=$SECONDS
   printf '%s %s ... ' "$(date +%H:%M:%S)" "$name" >&2
   set +e
@@ -122,7 +125,8 @@ else:
             step_s, losses = r["step_s"]["median"], [r["loss_first"], r["loss_last"]]
 json.dump({"name": "$name", "params_m": $params, "rc": $rc, "wall_s": $wall, "step_s": step_s, "losses": losses,
            "cgroup_peak": $peak, "peak_rss": ${rss_kb:-0} * 1024, "read_bytes": $(($(io_bytes 3) - read0)),
-           "write_bytes": $(($(io_bytes 7) - written0)), "limit": $limit_bytes, "log": log}, open(out, "a"))
+           "write_bytes": $(($(io_bytes 7) - written0)), "oom_kills": $(($(oom_kills) - oom0)),
+           "limit": $limit_bytes, "log": log}, open(out, "a"))
 open(out, "a").write("\n")
 EOF
   return $rc

@@ -9,6 +9,7 @@ in the page (without --doc it is printed). Every figure comes from FILE; the goa
 """
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -21,11 +22,23 @@ LABELS = {"fsdp2": "PyTorch FSDP2, in memory", "ztrain-memory": "ztrain level 3,
           "ztrain": "ztrain level 3, model state on disk"}
 
 
-def cpu_name():
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+def machine():
+    """The CPU (with its widest SIMD), its cores and the memory, in words."""
+    info = open("/proc/cpuinfo").read()
+    name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")),
+                platform.processor())
+    simd = "AVX-512" if " avx512f" in info else "AVX2, no AVX-512" if " avx2" in info else "no AVX2"
+    memory = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal")) * 1024
+    return f"{name} ({simd}), {os.cpu_count()} cores, {memory / 2**30:.1f} GiB"
+
+
+def outcome(run):
+    """Why a run failed: killed by the kernel for memory (the cgroup's count, or the peer's rank
+    killed by signal 9), or something else."""
+    log = open(run["log"], errors="replace").read() if os.path.exists(run["log"]) else ""
+    if run.get("oom_kills") or run["rc"] == 137 or "exit codes [-9]" in log:
+        return "**does not fit**: killed by the kernel, out of memory"
+    return f"**failed** (exit {run['rc']}, see {os.path.basename(run['log'])})"
 
 
 def render(rows):
@@ -45,7 +58,7 @@ def render(rows):
         step = f"{r['step_s']:.1f}" if ok and r["step_s"] else "—"
         body.append([
             LABELS[system],
-            f"{r['params_m']:,.0f}", "trained 3 steps" if ok else f"**does not fit** (exit {r['rc']})",
+            f"{r['params_m']:,.0f}", "trained 3 steps" if ok else outcome(r),
             step, f"{r['cgroup_peak'] / GB:.2f}", f"{r['peak_rss'] / GB:.2f}",
             f"{r['read_bytes'] / GB:.1f} / {r['write_bytes'] / GB:.1f}",
             f"{disk_s / 3:.0f}" if moved else "—",
@@ -56,7 +69,7 @@ def render(rows):
     pairs = [(n, "ztrain-" + n.split("-", 2)[2]) for n in by_name if n.startswith("ztrain-memory-")]
     same = [by_name[m]["losses"] == by_name[d]["losses"] and by_name[m]["losses"] for m, d in pairs if d in by_name]
     out = [
-        f"Measured on {cpu_name()}, {len(runs)} runs; each run one process tree in a memory cgroup limited to "
+        f"Measured on {machine()}, {len(runs)} runs; each run one process tree in a memory cgroup limited to "
         f"{limit / 2**30:.1f} GiB (page cache included, no swap): a run that does not fit is killed by the kernel. "
         "GPT of width 2048 (16 heads, byte vocabulary, context 64), one sequence of 64 tokens per step, fp32, "
         "AdamW, 1 rank, 2 threads; sizes grow by layers. FSDP2: `bench/peer_torch.py --system fsdp2` (its model "
@@ -68,12 +81,15 @@ def render(rows):
         "MB/s**.",
         "",
         table(["system", "parameters (M)", "result", "step (s)", "cgroup peak (GB)", "peak RSS (GB)",
-               "disk read / written (GB, 3 steps)", "disk time per step at the probe's rates (s)", "losses"], body),
+               "disk read / written (GB, whole run)", "its disk time per step at the probe's rates (s)", "losses"],
+              body),
         "",
         f"Largest trained: FSDP2 {largest.get('fsdp2', 0):,.0f} M, ztrain {largest.get('ztrain', 0):,.0f} M "
         f"parameters: **{ratio:.2f}×** (goal ≥ {GOAL_RATIO:.0f}×: {verdict(ratio >= GOAL_RATIO)}). The cgroup peak "
         "counts the page cache the kernel lends the mapped files; what a run cannot give back is its resident "
-        "anonymous memory, which for ztrain is the gathered block, activations and buffers.",
+        "anonymous memory, which for ztrain is the gathered block, activations and buffers. The bytes moved "
+        "are the block device's over the whole run (initialisation and the final model file included); the "
+        "losses of 3 steps at a warmup's learning rates only show that each step ran.",
         "",
         "Losses on disk equal those in memory (the same model and steps): "
         + (("**yes**" if all(same) else "**no**") if same else "not measured") + ".",

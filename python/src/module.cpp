@@ -335,9 +335,12 @@ PYBIND11_MODULE(_C, m) {
              for (const auto& p : b.named_parameters(/*recurse=*/false)) b.record(p.key()).tied_copies = copies;
            });
   py::class_<PyBlock, zt::ShardedModule, std::shared_ptr<PyBlock>>(m, "_Block")
-      .def(py::init([](const NamedTensors& named, int zero_level, bool use_checkpoint, const Splits& splits) {
+      .def(py::init([](const NamedTensors& named, int zero_level, bool use_checkpoint, const Splits& splits,
+                       std::optional<std::string> offload_dir) {
              return std::make_shared<PyBlock>(named, splits,
-                                              zt::BlockOptions{.zero_level = zero_level, .use_checkpoint = use_checkpoint});
+                                              zt::BlockOptions{.zero_level = zero_level,
+                                                               .use_checkpoint = use_checkpoint,
+                                                               .offload_dir = std::move(offload_dir)});
            }),
            release())
       .def("forward", &PyBlock::forward);

@@ -76,12 +76,12 @@ def _take_full_values(module):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, module, zero_level=3, use_checkpoint=True):
+    def __init__(self, module, zero_level=3, use_checkpoint=True, offload_dir=None):
         super().__init__()
         _take_full_values(module)
         named = list(module.named_parameters())
         splits = {name: p.tp_split_dim for name, p in named if getattr(p, "tp_split_dim", None) is not None}
-        self._native = _C._Block(named, zero_level, use_checkpoint, splits)
+        self._native = _C._Block(named, zero_level, use_checkpoint, splits, offload_dir)
         held_by_every_stage(self._native)
         # Not a submodule: its parameters are views of the engine's buffers, not what is trained.
         object.__setattr__(self, "module", module)
@@ -148,9 +148,9 @@ class BlockList(torch.nn.Module):
     wrapped with the given ones. Blocks are children "0", "1", …, as in a torch.nn.ModuleList.
     """
 
-    def __init__(self, modules, zero_level=3, use_checkpoint=True, prefetch_depth=1):
+    def __init__(self, modules, zero_level=3, use_checkpoint=True, prefetch_depth=1, offload_dir=None):
         super().__init__()
-        blocks = [m if isinstance(m, Block) else Block(m, zero_level, use_checkpoint) for m in modules]
+        blocks = [m if isinstance(m, Block) else Block(m, zero_level, use_checkpoint, offload_dir) for m in modules]
         if len({id(b) for b in blocks}) != len(blocks):
             raise _C.Error("BlockList: a block appears twice; build one module per layer")
         for index, block in enumerate(blocks):

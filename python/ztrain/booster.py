@@ -62,7 +62,7 @@ from .parameter import all_reduce_gradients
 class Plugin:
     """Wraps a model's units in Blocks of one ZeRO level (the plugins below)."""
 
-    def __init__(self, zero_level, wrap=None, use_checkpoint=False, prefetch_depth=1):
+    def __init__(self, zero_level, wrap=None, use_checkpoint=False, prefetch_depth=1, offload_dir=None):
         if isinstance(wrap, type):
             wrap = (wrap,)
         if wrap is not None and not callable(wrap) and not (
@@ -73,6 +73,7 @@ class Plugin:
         self.wrap = wrap
         self.use_checkpoint = use_checkpoint
         self.prefetch_depth = prefetch_depth
+        self.offload_dir = offload_dir  # the units' parameter and gradient shards in files there (levels 2, 3)
         self.replaced = {}  # id(a parameter configure made) -> the model's parameter it stands for
 
     def _is_unit(self, name, module, parent):
@@ -90,7 +91,7 @@ class Plugin:
         self._check_unshared(model, units)
         lists = {}
         for name, parent, attribute, module in units:
-            block = Block(module, self.zero_level, self.use_checkpoint)
+            block = Block(module, self.zero_level, self.use_checkpoint, self.offload_dir)
             setattr(parent, attribute, block)
             lists.setdefault(id(parent), []).append(block)
         for blocks in lists.values():
@@ -148,10 +149,12 @@ class LowLevelZeroPlugin(Plugin):
 
 class FullyShardPlugin(Plugin):
     """Parameters, gradients and optimizer state sharded; each unit's parameters gathered around
-    its forward and backward (ZeRO-3, FSDP), with recomputation if use_checkpoint."""
+    its forward and backward (ZeRO-3, FSDP), with recomputation if use_checkpoint; with
+    offload_dir, the units' parameter and gradient shards live in files there (ZeRO-Infinity's
+    parameter offload; with AdamOffload(state_dir=...) the whole model state is on disk)."""
 
-    def __init__(self, wrap=None, use_checkpoint=False, prefetch_depth=1):
-        super().__init__(3, wrap, use_checkpoint, prefetch_depth)
+    def __init__(self, wrap=None, use_checkpoint=False, prefetch_depth=1, offload_dir=None):
+        super().__init__(3, wrap, use_checkpoint, prefetch_depth, offload_dir)
 
 
 class HybridParallelPlugin(Plugin):

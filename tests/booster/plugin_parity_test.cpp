@@ -25,6 +25,11 @@ std::vector<std::pair<std::string, std::function<std::shared_ptr<Plugin>()>>> pl
       {"FullyShard", [] { return std::make_shared<FullyShard>(FullyShardOptions{.bucket_bytes = kBucket}); }},
       {"FullyShard with recomputation",
        [] { return std::make_shared<FullyShard>(FullyShardOptions{.use_checkpoint = true, .prefetch_depth = 2}); }},
+      {"FullyShard with the layers' shards on disk",
+       [] {
+         const auto dir = std::filesystem::temp_directory_path() / "ztrain_plugin_parity_offload";
+         return std::make_shared<FullyShard>(FullyShardOptions{.offload_dir = dir.string()});
+       }},
   };
 }
 

@@ -13,20 +13,20 @@ WIDTH = 8
 
 
 class Net(torch.nn.Module):
-    def __init__(self, level):
+    def __init__(self, level, offload_dir=None):
         super().__init__()
         torch.manual_seed(0)
         self.blocks = ztrain.BlockList([torch.nn.Sequential(torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(),
                                                             torch.nn.Linear(2 * WIDTH, WIDTH)) for _ in range(3)],
-                                       zero_level=level, use_checkpoint=level % 2 == 1)
+                                       zero_level=level, use_checkpoint=level % 2 == 1, offload_dir=offload_dir)
         self.head = torch.nn.Linear(WIDTH, 4)  # a plain parameter, updated inside step()
 
     def forward(self, x):
         return self.head(self.blocks(x)).pow(2).mean()
 
 
-def train(level, offload, state_dir=None):
-    model = Net(level)
+def train(level, offload, state_dir=None, offload_dir=None):
+    model = Net(level, offload_dir)
     opt = (ztrain.optim.AdamOffload(model, lr=1e-2, weight_decay=0.1, state_dir=state_dir) if offload
            else ztrain.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     losses = []
@@ -46,13 +46,26 @@ def train(level, offload, state_dir=None):
     return losses, params, opt
 
 
+def mapping_of(tensor):
+    """The path of the file `tensor`'s memory maps ("" for anonymous memory)."""
+    at = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        begin, end = (int(x, 16) for x in fields[0].split("-"))
+        if begin <= at < end:
+            return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
 class Offload(unittest.TestCase):
     def test_equals_adamw_bit_for_bit(self):
         state_dir = tempfile.mkdtemp()  # the state on disk (for levels 1 and 3)
         for level in range(4):
             with self.subTest(level=level):
                 want_losses, want, _ = train(level, False)
-                losses, got, opt = train(level, True, state_dir if level % 2 else None)
+                # Level 3: the blocks' parameter and gradient shards on disk too.
+                losses, got, opt = train(level, True, state_dir if level % 2 else None,
+                                         state_dir if level == 3 else None)
                 self.assertEqual(losses, want_losses)
                 self.assertEqual(sorted(got), sorted(want))
                 for name in want:
@@ -61,12 +74,10 @@ class Offload(unittest.TestCase):
                 steps = {opt.state_dict()["state"][i]["step"].item() for i in opt.state_dict()["state"]}
                 self.assertEqual(steps, {5.0})
                 if level % 2:  # the state lives in files there, unlinked: nothing left in the directory
-                    exp_avg = opt._native.state(opt.param_groups[0]["params"][0])[1]
-                    maps = open("/proc/self/maps").read().splitlines()
-                    at = exp_avg.data_ptr()
-                    line = next(m for m in maps if int(m.split()[0].split("-")[0], 16) <= at
-                                < int(m.split()[0].split("-")[1], 16))
-                    self.assertIn(os.path.join(state_dir, "ztrain-offload-"), line)
+                    shard = opt.param_groups[0]["params"][0]
+                    self.assertIn(os.path.join(state_dir, "ztrain-offload-"), mapping_of(opt._native.state(shard)[1]))
+                    on_disk = mapping_of(shard).startswith(os.path.join(state_dir, "ztrain-offload-"))
+                    self.assertEqual(on_disk, level == 3)
                     self.assertEqual(os.listdir(state_dir), [])
         os.rmdir(state_dir)
 
