@@ -286,7 +286,9 @@ torch::Tensor AdamW::step(LossClosure closure) {
 }
 
 torch::Tensor AdamW::new_state(const torch::Tensor& param, c10::Device device) const {
-  if (engine_.state_dir && device.is_cpu()) return ztrain::detail::mapped_zeros(*engine_.state_dir, param.sizes(), torch::kFloat32, "optimizer state_dir");
+  if (engine_.state_dir && device.is_cpu()) {
+    return ztrain::detail::mapped_zeros(*engine_.state_dir, param.sizes(), torch::kFloat32, "optimizer state_dir");
+  }
   // Host state of a device parameter is pinned, so that its copies run at full speed.
   return torch::zeros(param.sizes(), torch::TensorOptions().dtype(torch::kFloat32).device(device).pinned_memory(
                                           device.is_cpu() && !param.is_cpu()));

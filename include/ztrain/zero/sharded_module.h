@@ -61,8 +61,8 @@ struct BlockOptions {
   int prefetch_depth = 1;
   /// The mesh whose dp group shards the parameters. Not set: the default context.
   std::shared_ptr<ParallelContext> context;
-  /// Levels 2 and 3 on the CPU: this rank's parameter shards and reduced gradients live in files in this
-  /// directory instead of memory (ZeRO-Infinity's parameter offload to disk; with AdamW's
+  /// Levels 2 and 3 on the CPU: this rank's parameter shards and reduced gradients live in files
+  /// in this directory instead of memory (ZeRO-Infinity's parameter offload to disk; with AdamW's
   /// state_dir, the whole model state is on disk). Each is a shared mapping of an unlinked file
   /// of its own; a gather reads its shard in ahead, the optimizer writes it back and drops it
   /// after its update, and the kernel pages the rest in and out as memory allows. Values are the
