@@ -127,6 +127,23 @@ TEST(AdamOffload, EqualsAdamWBitForBitAtEveryZeroLevel) {
   }
 }
 
+/// The same losses and final parameters, bit for bit.
+void expect_same_training(const Run& got, const Run& ref) {
+  for (int i = 0; i < kSteps; ++i) EXPECT_EQ(got.losses[i], ref.losses[i]) << "step " << i;
+  for (size_t i = 0; i < ref.params.size(); ++i) {
+    EXPECT_TRUE(tensors_equal(got.params[i].second, ref.params[i].second)) << ref.params[i].first;
+  }
+}
+
+/// Every mapping is an offload file in `dir`, unlinked, with no page resident.
+void expect_unlinked_files_in(const std::string& dir, const std::vector<std::pair<std::string, int64_t>>& mappings) {
+  for (const auto& [path, resident_kb] : mappings) {
+    EXPECT_EQ(path.rfind(dir + "/ztrain-offload-", 0), 0u) << path;
+    EXPECT_NE(path.find("(deleted)"), std::string::npos) << path;
+    EXPECT_EQ(resident_kb, 0) << path;
+  }
+}
+
 // ZeRO-Infinity's offload of the optimizer state to disk: with a state_dir the moments and masters
 // are mappings of (unlinked) files there, none of their pages resident between steps, and the
 // training is the same bit for bit, for AdamW and AdamOffload.
@@ -138,17 +155,10 @@ TEST(AdamOffload, StateInFilesEqualsStateInMemory) {
       const auto ref = train<optim::AdamW>(level, dtype, 1);
       for (const auto& got : {train<optim::AdamW>(level, dtype, 1, {.state_dir = dir}),
                               train<optim::AdamOffload>(level, dtype, 1, {.state_dir = dir})}) {
-        for (int i = 0; i < kSteps; ++i) EXPECT_EQ(got.losses[i], ref.losses[i]) << "step " << i;
-        for (size_t i = 0; i < ref.params.size(); ++i) {
-          EXPECT_TRUE(tensors_equal(got.params[i].second, ref.params[i].second)) << ref.params[i].first;
-        }
+        expect_same_training(got, ref);
         EXPECT_EQ(got.steps, ref.steps);
         ASSERT_FALSE(got.state_mappings.empty());
-        for (const auto& [path, resident_kb] : got.state_mappings) {
-          EXPECT_EQ(path.rfind(dir + "/ztrain-offload-", 0), 0u) << path;
-          EXPECT_NE(path.find("(deleted)"), std::string::npos) << path;
-          EXPECT_EQ(resident_kb, 0) << path;
-        }
+        expect_unlinked_files_in(dir, got.state_mappings);
       }
       for (const auto& m : ref.state_mappings) EXPECT_EQ(m.first.find(dir), std::string::npos) << "in memory";
     }
@@ -168,16 +178,9 @@ TEST(AdamOffload, ShardsInFilesEqualShardsInMemory) {
     const auto ref = train<optim::AdamW>(3, dtype, 2);
     for (const auto& got : {train<optim::AdamW>(3, dtype, 2, {.state_dir = dir}, dir),
                             train<optim::AdamOffload>(3, dtype, 2, {.state_dir = dir}, dir)}) {
-      for (int i = 0; i < kSteps; ++i) EXPECT_EQ(got.losses[i], ref.losses[i]) << "step " << i;
-      for (size_t i = 0; i < ref.params.size(); ++i) {
-        EXPECT_TRUE(tensors_equal(got.params[i].second, ref.params[i].second)) << ref.params[i].first;
-      }
+      expect_same_training(got, ref);
       ASSERT_GE(got.shard_mappings.size(), static_cast<size_t>(kConfig.n_layer));
-      for (const auto& [path, resident_kb] : got.shard_mappings) {
-        EXPECT_EQ(path.rfind(dir + "/ztrain-offload-", 0), 0u) << path;
-        EXPECT_NE(path.find("(deleted)"), std::string::npos) << path;
-        EXPECT_EQ(resident_kb, 0) << path;
-      }
+      expect_unlinked_files_in(dir, got.shard_mappings);
     }
     for (const auto& m : ref.shard_mappings) EXPECT_EQ(m.first.find(dir), std::string::npos) << "in memory";
   }
