@@ -54,9 +54,6 @@ fail() { echo "beyond_memory: $*" >&2; exit 1; }
 
 [[ -x $python ]] || fail "$python not found; run scripts/setup.sh"
 [[ -f $data ]] || fail "$data not found"
-[[ $(id -u) == 0 ]] || fail "needs root: each run goes into a memory cgroup"
-memcg=/sys/fs/cgroup/memory
-[[ -w $memcg ]] || fail "the cgroup v1 memory controller is not writable under /sys/fs/cgroup"
 mem_kb=$(awk '/^MemTotal/ {print $2}' /proc/meminfo)
 limit_bytes=$(( limit_gib ? limit_gib * (1 << 30) : mem_kb * 1024 - (1 << 30) ))
 if [[ ! -f $build/CMakeCache.txt ]]; then
@@ -70,12 +67,9 @@ rm -rf "$results"
 mkdir -p "$results/logs" "$dir"
 out=$results/results.jsonl
 : >"$out"
-group=ztrain-beyond-memory-$$
-mkdir -p "$memcg/$group"
-cleanup() { rmdir "$memcg/$group" 2>/dev/null || true; }
-trap cleanup EXIT
-echo "$limit_bytes" >"$memcg/$group/memory.limit_in_bytes"
-echo 0 >"$memcg/$group/memory.swappiness"
+# shellcheck source=bench/memcg.sh
+source "$root/bench/memcg.sh"
+memcg_create beyond_memory "$limit_bytes"
 
 # The block device under --dir, and its bytes read and written so far (the kernel's writeback of
 # the mapped files runs outside the cgroup, so the device's counters are the measure; nothing
@@ -84,30 +78,18 @@ device=$(basename "$(df --output=source "$dir" | tail -n 1)")
 [[ -r /sys/class/block/$device/stat ]] || fail "no block device statistics for $dir ($device)"
 io_bytes() { awk -v field="$1" '{printf "%.0f\n", $field * 512}' "/sys/class/block/$device/stat"; }
 
-# Processes the kernel killed in the group for want of memory, so far.
-oom_kills() { awk '$1 == "oom_kill" {print $2}' "$memcg/$group/memory.oom_control"; }
-
 # run NAME PARAMS_M METRICS COMMAND...: one run in the group; appends its JSON line (METRICS:
 # ztrain-gpt's metrics.jsonl, else the peer's result line in the log gives the step time).
 run() {
   local name=$1 params=$2 metrics=$3; shift 3
   local log=$results/logs/$name.log
-  echo 0 >"$memcg/$group/memory.max_usage_in_bytes"
-  local read0 written0 oom0
-  read0=$(io_bytes 3) written0=$(io_bytes 7) oom0=$(oom_kills)
+  local read0 written0
+  read0=$(io_bytes 3) written0=$(io_bytes 7)
   local before=$SECONDS
   printf '%s %s ... ' "$(date +%H:%M:%S)" "$name" >&2
-  set +e
-  # shellcheck disable=SC2016
-  /usr/bin/time -f '%M' -o "$log.rss" sh -c 'echo $$ >"$1/cgroup.procs"; shift; exec "$@"' \
-    sh "$memcg/$group" "$@" >"$log" 2>&1
-  local rc=$?
-  set -e
+  memcg_run "$log" "$@"
   local wall=$((SECONDS - before))
-  local peak rss_kb
-  peak=$(cat "$memcg/$group/memory.max_usage_in_bytes")
-  rss_kb=$(grep -E '^[0-9]+$' "$log.rss" | tail -n 1 || true)
-  echo "rc $rc, ${wall} s, cgroup peak $((peak >> 20)) MiB" >&2
+  echo "rc $memcg_rc, ${wall} s, cgroup peak $((memcg_peak >> 20)) MiB" >&2
   "$python" - "$out" "$log" "$metrics" <<EOF
 import json, os, statistics, sys
 out, log, metrics = sys.argv[1:]
@@ -123,13 +105,13 @@ else:
         if line.startswith('{"bench"'):
             r = json.loads(line)
             step_s, losses = r["step_s"]["median"], [r["loss_first"], r["loss_last"]]
-json.dump({"name": "$name", "params_m": $params, "rc": $rc, "wall_s": $wall, "step_s": step_s, "losses": losses,
-           "cgroup_peak": $peak, "peak_rss": ${rss_kb:-0} * 1024, "read_bytes": $(($(io_bytes 3) - read0)),
-           "write_bytes": $(($(io_bytes 7) - written0)), "oom_kills": $(($(oom_kills) - oom0)),
+json.dump({"name": "$name", "params_m": $params, "rc": $memcg_rc, "wall_s": $wall, "step_s": step_s, "losses": losses,
+           "cgroup_peak": $memcg_peak, "peak_rss": $memcg_rss, "read_bytes": $(($(io_bytes 3) - read0)),
+           "write_bytes": $(($(io_bytes 7) - written0)), "oom_kills": $memcg_killed,
            "limit": $limit_bytes, "log": log}, open(out, "a"))
 open(out, "a").write("\n")
 EOF
-  return $rc
+  return "$memcg_rc"
 }
 
 # ---- the disk, through the same kind of mapping ---------------------------------------------

@@ -4,7 +4,7 @@
 # GPT-2 124M (12 x 768, 12 heads, vocabulary 50257) at sequence 256, batch 2 per rank, on RANKS
 # ranks (default 2) x 1 intra-op thread, side by side in one run: ztrain at ZeRO levels 0 and 3,
 # PyTorch DDP and FSDP2 (fully_shard) over gloo, in fp32 and bf16, taking turns configuration by
-# configuration. ztrain's rank 0 measures the fp32 and bf16 matmul peak in the same process
+# configuration. ztrain's ranks measure the matmul peak of the run's dtype in the same process
 # (--probe) and reports model FLOP/s against it; ztrain on one rank with the same per-rank batch
 # is the single-process step. Prints one line per run (tokens/s, median step with p10-p90, peak
 # RSS per rank, model GFLOP/s per rank and its share of the peak), then the ratios the
@@ -39,7 +39,7 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 ranks = int(sys.argv[2])
 ours = [r for r in rows if r.get("matmul")]
 flops_per_token = ours[0]["flops_per_token"]  # the same model for every system
-peak = {d: min(r["matmul"][d]["peak_gflops"] for r in ours) for d in ("fp32", "bf16")}
+peak = {d: min(r["matmul"][d]["peak_gflops"] for r in ours if d in r["matmul"]) for d in ("fp32", "bf16")}
 print(f"matmul peak per rank, measured by ztrain's ranks: fp32 {peak['fp32']:.0f}, bf16 {peak['bf16']:.0f} GFLOP/s")
 print(f"{'system':<15}{'dtype':<6}{'tokens/s':>9}{'step s (p10-p90)':>22}{'peak RSS/rank GiB':>19}"
       f"{'GFLOP/s/rank':>14}{'of peak':>9}{'loss':>8}")

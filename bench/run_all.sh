@@ -5,18 +5,18 @@
 # <!-- run_all:begin --> and <!-- run_all:end -->) and its plots docs/img/bench_*.png: GPT
 # throughput of ztrain (ZeRO levels 0-3, fp32 and bf16) beside PyTorch's DDP, DDP with
 # ZeroRedundancyOptimizer and FSDP2 (fully_shard), and plain libtorch, model-state memory against
-# the ZeRO formulas, bytes sent against theory, model FLOP/s against the measured matmul peak, and
-# growth with model size and rank count. All of it in one session on this machine, one intra-op
-# thread per rank.
+# the ZeRO formulas, bytes sent against theory and model FLOP/s against the measured matmul peak
+# (growth with model size up to the largest that fits: bench/growth.sh). All of it in one session
+# on this machine, one intra-op thread per rank.
 #
 #   --build DIR     ztrain's build directory (default build/; configured and built if needed)
 #   --results DIR   where the JSON lines, logs and profiles go (default build/bench-results)
-#   --quick         2 timed steps per configuration and fewer growth sizes: checks the tooling
+#   --quick         2 timed steps per configuration: checks the tooling
 #                   in a few minutes; the page is not written unless --docs is also given
 #   --docs          write the page even with --quick
 #   --no-docs       measure only (the page can be written later with bench/report.py)
 #
-# Takes about 6 minutes on the 2-core development machine when it is otherwise idle.
+# Takes under 6 minutes on the 2-core development machine when it is otherwise idle.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -134,16 +134,6 @@ for dtype in fp32 bf16; do
   for level in 0 1 2 3; do
     ztrain 4 memory --preset small --batch 8 --seq 128 --dtype "$dtype" --level "$level" --steps 2 --warmup 1
   done
-done
-
-# ---- 5: growth with model size and rank count ------------------------------------------------
-if ((quick)); then widths="128 256"; else widths="128 256 384 512"; fi
-for d in $widths; do
-  shape=(--preset small --d-model "$d" --heads $((d / 64)) --layers 4 --context 128 --batch 4 --seq 128 --dtype fp32)
-  ztrain 1 growth "${shape[@]}" --level 3 --steps "$steps" --warmup "$warmup"
-  ztrain 2 growth "${shape[@]}" --level 3 --steps "$steps" --warmup "$warmup"
-  ztrain 2 growth "${shape[@]}" --level 0 --steps "$steps" --warmup "$warmup"
-  ztrain 4 growth "${shape[@]}" --level 3 --steps 2 --warmup 1
 done
 
 # ---- the page --------------------------------------------------------------------------------
