@@ -532,7 +532,7 @@ def growth_plot(rows, img_dir):
                 axes[2].plot([r["params"] / 1e6], [r["limit"] / n / 1e9], marker="X", markersize=10, color=color,
                              linestyle="none")
     titles = ["step time (dashed: compute-bound at the measured matmul peak)",
-              "bytes moved per rank per step (dashed: ring formula)",
+              "bytes moved per rank per step (dashed: ring formula, under the measured lines)",
               "memory per rank (dashed: model-state formula; X: did not fit, at limit / N)"]
     for ax, title, ylabel in zip(axes, titles, ["s", "GB", "GB"]):
         ax.set_xscale("log")
