@@ -10,26 +10,15 @@ in the page (without --doc it is printed). Every figure comes from FILE; the goa
 import argparse
 import json
 import os
-import platform
 import sys
 
-from report import replace_section, table, verdict
+from report import machine, replace_section, table, verdict
 
 BEGIN, END = "<!-- beyond_memory:begin -->", "<!-- beyond_memory:end -->"
 GOAL_RATIO = 2.0  # ztrain's largest model over FSDP2's
 GB = 1e9
 LABELS = {"fsdp2": "PyTorch FSDP2, in memory", "ztrain-memory": "ztrain level 3, in memory",
           "ztrain": "ztrain level 3, model state on disk"}
-
-
-def machine():
-    """The CPU (with its widest SIMD), its cores and the memory, in words."""
-    info = open("/proc/cpuinfo").read()
-    name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")),
-                platform.processor())
-    simd = "AVX-512" if " avx512f" in info else "AVX2, no AVX-512" if " avx2" in info else "no AVX2"
-    memory = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal")) * 1024
-    return f"{name} ({simd}), {os.cpu_count()} cores, {memory / 2**30:.1f} GiB"
 
 
 def outcome(run):

@@ -14,6 +14,7 @@ import argparse
 import collections
 import json
 import os
+import platform
 import sys
 
 BEGIN, END = "<!-- run_all:begin -->", "<!-- run_all:end -->"
@@ -75,6 +76,16 @@ def table(header, rows):
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(out)
+
+
+def machine():
+    """The CPU (with its widest SIMD), its cores and the memory, in words."""
+    info = open("/proc/cpuinfo").read()
+    name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")),
+                platform.processor())
+    simd = "AVX-512" if " avx512f" in info else "AVX2, no AVX-512" if " avx2" in info else "no AVX2"
+    memory = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal")) * 1024
+    return f"{name} ({simd}), {os.cpu_count()} cores, {memory / 2**30:.1f} GiB"
 
 
 def config_line(r, what="per rank"):

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Writes the section of bench/gpt2_peers.sh from its results.
+
+    gpt2_peers_report.py --results FILE --ranks N [--doc docs/benchmarks.md]
+
+FILE is the run's gpt2_peers.jsonl: one line per run (gpt_bench's and peer_torch.py's). The
+Markdown replaces what lies between <!-- gpt2_peers:begin --> and <!-- gpt2_peers:end --> in the
+page (without --doc it is printed). Every figure comes from FILE; the goals of the performance
+issue are checked here, each marked met or missed.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+from report import machine, replace_section, table, verdict
+
+BEGIN, END = "<!-- gpt2_peers:begin -->", "<!-- gpt2_peers:end -->"
+GOAL_L0_VS_DDP = 1.10       # tokens/s
+GOAL_L3_VS_FSDP2 = 1.10     # tokens/s
+GOAL_L3_VS_ONE_RANK = 1.10  # step time, same per-rank batch
+GOAL_EFFICIENCY = {"fp32": 0.75, "bf16": 0.65}  # level 3 model FLOP/s over the matmul peak
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", required=True)
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--commit", default="?", help="the commit measured (and whether the tree was clean)")
+    p.add_argument("--doc")
+    a = p.parse_args()
+    rows = [json.loads(line) for line in open(a.results) if line.strip()]
+    n = a.ranks
+    ours = [r for r in rows if r.get("matmul")]
+    peak = {d: min(r["matmul"][d]["peak_gflops"] for r in ours if d in r["matmul"]) for d in {r["dtype"] for r in ours}}
+    flops_per_token = ours[0]["flops_per_token"]  # the same model for every system
+    by = {}
+    for r in rows:  # of the single-process runs at once, the slowest (as the max over ranks)
+        k = (r["tag"], r["dtype"])
+        if k not in by or r["step_s"]["median"] > by[k]["step_s"]["median"]:
+            by[k] = r
+
+    def gflops(r):
+        return flops_per_token * r["tokens_per_s"] / r["ranks"] / 1e9
+
+    r0, m = ours[0], ours[0]["model"]
+    out = [f"Measured on {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(os.path.getmtime(a.results)))}, commit {a.commit}. "
+           f"GPT-2 of {m['layers']} × {m['d_model']}, {m['heads']} heads, vocabulary {m['vocab']} "
+           f"({r0['params'] / 1e6:.1f} M parameters), sequence {r0['seq']}, {r0['batch']} sequences per rank, "
+           f"{n} ranks × 1 intra-op thread, each system with its own AdamW; {r0['steps']} timed steps after "
+           f"{r0['warmup']} untimed. ztrain at ZeRO levels 0 and 3 (`gpt_bench`), PyTorch's DDP and FSDP2 "
+           "(`fully_shard`, each block a unit) over gloo (`peer_torch.py`), and ztrain on one rank with the same "
+           f"per-rank batch: alone (the other cores idle) and {n} such runs at once (every core doing the same "
+           "work, without communication). In bf16 ztrain keeps fp32 masters; DDP runs under autocast, FSDP2 with "
+           "`MixedPrecisionPolicy(param_dtype=bfloat16)`. Each ztrain run measures the matmul peak of its dtype in "
+           "the same process, all ranks at once; \"of peak\" is model FLOP/s per rank over the lowest of those "
+           f"({', '.join(f'{d} {v:.0f} GFLOP/s' for d, v in sorted(peak.items(), reverse=True))}).", ""]
+    body = []
+    for r in rows:
+        s, ph = r["step_s"], r.get("phase_s")
+        body.append([r["tag"], r["dtype"], f"{r['tokens_per_s']:.1f}", f"{s['median']:.2f} ({s['p10']:.2f}–{s['p90']:.2f})",
+                     " / ".join(f"{v:.2f}" for v in ph.values()) if ph else "–",
+                     f"{r['memory']['peak_rss'] / 2**30:.2f}", f"{gflops(r):.1f}", f"{gflops(r) / peak[r['dtype']]:.1%}"])
+    out += [table(["system", "dtype", "tokens/s", "step s (p10–p90)", "forward / backward / optimizer s",
+                   "peak RSS/rank GiB", "model GFLOP/s per rank", "of peak"], body), ""]
+    goals = []
+    for d in sorted({r["dtype"] for r in rows}, reverse=True):
+        l0, l3 = by[("ztrain L0", d)], by[("ztrain L3", d)]
+        ddp, fsdp = by[("PyTorch ddp", d)], by[("PyTorch fsdp2", d)]
+        one, busy = by[("ztrain 1 rank", d)], by[(f"ztrain 1 rank, {n} at once", d)]
+        step = l3["step_s"]["median"]
+        goals += [
+            (f"level 0 ≥ {GOAL_L0_VS_DDP}× DDP tokens/s, {d}", l0["tokens_per_s"] / ddp["tokens_per_s"], GOAL_L0_VS_DDP, 1),
+            (f"level 3 ≥ {GOAL_L3_VS_FSDP2}× FSDP2 tokens/s, {d}", l3["tokens_per_s"] / fsdp["tokens_per_s"],
+             GOAL_L3_VS_FSDP2, 1),
+            (f"level 3 peak RSS per rank ≤ FSDP2's, {d}", l3["memory"]["peak_rss"] / fsdp["memory"]["peak_rss"], 1.0, -1),
+            (f"level 3 step ≤ {GOAL_L3_VS_ONE_RANK}× the 1-rank step (alone), {d}", step / one["step_s"]["median"],
+             GOAL_L3_VS_ONE_RANK, -1),
+            (f"level 3 step ≤ {GOAL_L3_VS_ONE_RANK}× the 1-rank step ({n} at once), {d}", step / busy["step_s"]["median"],
+             GOAL_L3_VS_ONE_RANK, -1),
+            (f"level 3 model FLOP/s ≥ {GOAL_EFFICIENCY[d]:.0%} of the {d} matmul peak", gflops(l3) / peak[d],
+             GOAL_EFFICIENCY[d], 1),
+        ]
+    out += [table(["goal", "measured", ""],
+                  [[g, f"{v:.2f}" if goal >= 1 else f"{v:.1%}", verdict(v >= goal if sense > 0 else v <= goal)]
+                   for g, v, goal, sense in goals])]
+    text = "\n".join(out) + "\n"
+    if a.doc:
+        replace_section(a.doc, BEGIN, END, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
