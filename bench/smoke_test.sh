@@ -4,7 +4,8 @@
 # The run_all tooling in seconds (a CTest, not a benchmark): gpt_bench on 2 ranks for one step
 # of the small GPT at ZeRO levels 0 and 3, the PyTorch peer's model against gpt_reference.py, one
 # DDP step on 1 rank and one FSDP2 step on 2, one python_bench step on 2 ranks (where the Python
-# package is built), one step under three booster plugins, then report.py on the results. Fails unless the
+# package is built), one step under three booster plugins, then report.py on the results, and
+# report.py --section growth on level 3 at 1 and 2 ranks. Fails unless the
 # bytes sent per step equal the theory (ring collectives: 2(N-1)/N or 3(N-1)/N of the parameter
 # bytes) and the model state equals ztrain's formula, FSDP2 holds a shard of the parameters, and
 # the section and plots are written.
@@ -68,4 +69,13 @@ EOF
 "$python" "$here/report.py" --results "$work" --print --img "$work/img" >"$work/section.md"
 grep -q "Throughput against PyTorch" "$work/section.md"
 [[ -s $work/img/bench_peers.png ]]
+# bench/growth.sh's section and plot, from level 3 at 1 and 2 ranks.
+mkdir -p "$work/growth"
+for np in 1 2; do
+  "$mpiexec" -np "$np" --oversubscribe --bind-to none "$gpt" --preset tiny --batch 1 --seq 16 --steps 1 --warmup 1 \
+    --level 3 --probe --data "$data" --json "$work/growth/results.jsonl" --tag growth >/dev/null
+done
+"$python" "$here/report.py" --section growth --results "$work/growth" --print --img "$work/img" >"$work/growth.md"
+grep -q "Largest that trained: level 3, 1 rank: 0.1 M; level 3, 2 ranks: 0.1 M" "$work/growth.md"
+[[ -s $work/img/bench_growth.png ]]
 echo "smoke_test: ok"
