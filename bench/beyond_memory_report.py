@@ -93,10 +93,7 @@ def main():
     a = p.parse_args()
     rows = [json.loads(line) for line in open(a.results) if line.strip()]
     text = render(rows)
-    if a.doc:
-        replace_section(a.doc, BEGIN, END, text)
-    else:
-        sys.stdout.write(text)
+    replace_section(a.doc, BEGIN, END, text)
     return 0
 
 

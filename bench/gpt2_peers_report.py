@@ -86,10 +86,7 @@ def main():
                   [[g, f"{v:.2f}" if goal >= 1 else f"{v:.1%}", verdict(v >= goal if sense > 0 else v <= goal)]
                    for g, v, goal, sense in goals])]
     text = "\n".join(out) + "\n"
-    if a.doc:
-        replace_section(a.doc, BEGIN, END, text)
-    else:
-        sys.stdout.write(text)
+    replace_section(a.doc, BEGIN, END, text)
     return 0
 
 

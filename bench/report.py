@@ -590,7 +590,10 @@ def plots(rows, img_dir):
 # ---- main ---------------------------------------------------------------------------------------
 
 def replace_section(doc, begin, end, text):
-    """Puts `text` between the markers `begin` and `end` of the page `doc`."""
+    """Puts `text` between the markers `begin` and `end` of the page `doc`; without a page, prints it."""
+    if not doc:
+        sys.stdout.write(text)
+        return
     page = open(doc).read()
     if begin not in page or end not in page:
         sys.exit(f"report: {doc} lacks the markers {begin} and {end}")
@@ -626,10 +629,7 @@ def main():
         text, markers = growth_header(meta) + growth_section(rows, img_rel) + "\n", GROWTH
     else:
         text, markers = render(rows, meta, a.results, img_rel), (BEGIN, END)
-    if a.print or not a.doc:
-        sys.stdout.write(text)
-    else:
-        replace_section(a.doc, *markers, text)
+    replace_section(None if a.print else a.doc, *markers, text)
     if a.img:
         (growth_plot if a.section == "growth" else plots)(rows, a.img)
     return 0
