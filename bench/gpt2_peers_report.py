@@ -60,7 +60,7 @@ def main():
     for r in rows:
         s, ph = r["step_s"], r.get("phase_s")
         body.append([r["tag"], r["dtype"], f"{r['tokens_per_s']:.1f}", f"{s['median']:.2f} ({s['p10']:.2f}–{s['p90']:.2f})",
-                     " / ".join(f"{v:.2f}" for v in ph.values()) if ph else "–",
+                     " / ".join(f"{ph[k]:.2f}" for k in ("forward", "backward", "optimizer")) if ph else "–",
                      f"{r['memory']['peak_rss'] / 2**30:.2f}", f"{gflops(r):.1f}", f"{gflops(r) / peak[r['dtype']]:.1%}"])
     out += [table(["system", "dtype", "tokens/s", "step s (p10–p90)", "forward / backward / optimizer s",
                    "peak RSS/rank GiB", "model GFLOP/s per rank", "of peak"], body), ""]

@@ -4,7 +4,7 @@
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/rng.h>
 
-#include "huge_pages.h"
+#include "host_allocator.h"
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -72,6 +72,25 @@ bool resolve_huge_pages(const InitOptions& o) {
   return v && *v != "0";
 }
 
+int64_t resolve_host_cache_bytes(const InitOptions& o) {
+  if (o.host_cache_bytes) {
+    ZTRAIN_CHECK(*o.host_cache_bytes >= 0, "InitOptions::host_cache_bytes must be >= 0, got ", *o.host_cache_bytes);
+    return *o.host_cache_bytes;
+  }
+  auto v = env("ZTRAIN_HOST_CACHE_BYTES");
+  if (!v) return detail::default_host_cache_bytes();
+  size_t used = 0;
+  long long parsed = -1;
+  try {
+    parsed = std::stoll(*v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  ZTRAIN_CHECK(used == v->size() && parsed >= 0, "environment variable ZTRAIN_HOST_CACHE_BYTES=", *v,
+               " must be a number of bytes >= 0");
+  return parsed;
+}
+
 bool resolve_hierarchical(const InitOptions& o) {
   if (o.hierarchical) return *o.hierarchical;
   auto v = env("ZTRAIN_HIERARCHICAL");
@@ -132,8 +151,9 @@ void finalize_at_exit() {
 }  // namespace
 
 Runtime::Runtime(const InitOptions& options)
-    : timeout_(resolve_timeout(options)), debug_(resolve_debug(options)), huge_pages_(resolve_huge_pages(options)) {
-  if (huge_pages_) detail::install_huge_page_allocator();
+    : timeout_(resolve_timeout(options)), debug_(resolve_debug(options)), huge_pages_(resolve_huge_pages(options)),
+      host_cache_bytes_(resolve_host_cache_bytes(options)) {
+  detail::install_host_allocator({host_cache_bytes_, huge_pages_});
   // Ranks start at different times and make their first connections here: the communicators of
   // the context are made under a deadline of at least kStartupTimeout, then take timeout_.
   const auto startup = std::max<std::chrono::milliseconds>(timeout_, kStartupTimeout);

@@ -37,6 +37,12 @@ TEST(Init, RejectsTopologiesThatDoNotDivideTheWorld) {
   EXPECT_NE(msg.find("threads must be at least 1"), std::string::npos) << msg;
   msg = error_message([&] { ztrain::init_distributed({.timeout = -1ms}); });
   EXPECT_NE(msg.find("timeout must be positive"), std::string::npos) << msg;
+  msg = error_message([&] { ztrain::init_distributed({.host_cache_bytes = -1}); });
+  EXPECT_NE(msg.find("host_cache_bytes must be >= 0, got -1"), std::string::npos) << msg;
+  setenv("ZTRAIN_HOST_CACHE_BYTES", "2GiB", 1);
+  msg = error_message([&] { ztrain::init_distributed(); });
+  unsetenv("ZTRAIN_HOST_CACHE_BYTES");
+  EXPECT_NE(msg.find("ZTRAIN_HOST_CACHE_BYTES=2GiB must be a number of bytes >= 0"), std::string::npos) << msg;
   EXPECT_FALSE(ztrain::is_initialized());
 }
 
@@ -85,9 +91,11 @@ TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   setenv("ZTRAIN_TIMEOUT_S", "42", 1);
   setenv("ZTRAIN_DEBUG_COLLECTIVES", "1", 1);
   setenv("ZTRAIN_HUGE_PAGES", "1", 1);
+  setenv("ZTRAIN_HOST_CACHE_BYTES", "123456789", 1);
   auto& rt = ztrain::init_distributed({.seed = 5, .tp_size = tp, .threads = 1});
   unsetenv("ZTRAIN_DEBUG_COLLECTIVES");
   unsetenv("ZTRAIN_HUGE_PAGES");
+  unsetenv("ZTRAIN_HOST_CACHE_BYTES");
   ASSERT_TRUE(ztrain::is_initialized());
   EXPECT_EQ(rt.world_size(), world);
   EXPECT_EQ(ztrain::world_size(), world);
@@ -98,6 +106,7 @@ TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   for (auto* c : {&ctx.world(), &ctx.tp(), &ctx.dp(), &ctx.pp(), &ctx.stage()}) EXPECT_EQ(c->timeout(), 42s) << c->name();
   EXPECT_EQ(ctx.gather_stream().communicator().timeout(), 42s);
   EXPECT_TRUE(rt.debug_collectives());
+  EXPECT_EQ(rt.host_cache_bytes(), 123456789);
   EXPECT_TRUE(rt.world().debug());
   EXPECT_EQ(rt.threads(), 1);
   EXPECT_EQ(at::get_num_threads(), 1);

@@ -58,6 +58,12 @@ struct InitOptions {
   /// faster, at the price of 10–20% more peak memory (docs/benchmarks.md). Process-wide, from
   /// init_distributed on. Not set: on when ZTRAIN_HUGE_PAGES is 1.
   std::optional<bool> huge_pages;
+  /// Freed CPU tensors of 1 MiB and more are kept for reuse, at most this many bytes (the least
+  /// recently freed go first), so that a training step does not map, fault and zero the same
+  /// memory anew each time; 0 turns the cache off. Process-wide, from init_distributed on. Not
+  /// set: ZTRAIN_HOST_CACHE_BYTES from the environment, else an eighth of the host's memory, at
+  /// most 4 GiB.
+  std::optional<int64_t> host_cache_bytes;
   /// Allocate the ZeRO engine's flat buffers (parameter shards, gathered parameters, gradients)
   /// in host-shared memory (comm/host_shared.h): where a data-parallel group shares one host,
   /// their gathers and reductions then read the peers' buffers in place instead of sending them.
@@ -108,6 +114,7 @@ class Runtime {
   std::chrono::milliseconds timeout() const { return timeout_; }
   bool debug_collectives() const { return debug_; }
   bool huge_pages() const { return huge_pages_; }
+  int64_t host_cache_bytes() const { return host_cache_bytes_; }
   bool host_shared_buffers() const { return context_->host_shared_buffers(); }
   /// This rank's device, the default context's.
   c10::Device device() const { return context_->device(); }
@@ -122,6 +129,7 @@ class Runtime {
   std::chrono::milliseconds timeout_;
   bool debug_ = false;
   bool huge_pages_ = false;
+  int64_t host_cache_bytes_ = 0;
   std::shared_ptr<ParallelContext> context_;
 };
 
