@@ -18,6 +18,8 @@ struct HostAllocatorOptions {
   int64_t cache_bytes = 0;
   /// Back large allocations with transparent huge pages (2 MiB aligned, madvise(MADV_HUGEPAGE)).
   bool huge_pages = false;
+  /// Bytes the kernel can still give the process; null: host_memory_left(). Tests replace it.
+  int64_t (*memory_left)() = nullptr;
 };
 
 /// Routes libtorch's CPU allocations of at least kLargeHostBytes through ztrain's allocator,
@@ -33,6 +35,10 @@ struct HostAllocatorStats {
   int64_t misses = 0;        // large allocations that mapped new memory
 };
 HostAllocatorStats host_allocator_stats();
+
+/// Bytes the kernel can still give this process: the host's available memory (MemAvailable), or
+/// less where its memory cgroup (v1 or v2) has less left under its limit.
+int64_t host_memory_left();
 
 /// Unmaps every cached block (the memory goes back to the system).
 void release_cached_host_memory();
