@@ -2,6 +2,8 @@
 
 #include "host_shared_detail.h"
 
+#include "../host_memory.h"
+
 #include <ztrain/error.h>
 #include <ztrain/torch_compat.h>
 
@@ -41,7 +43,7 @@ constexpr int kSlots = 1 << 16;  // blocks beyond this many live at once are not
 constexpr size_t kDirectoryBytes = kSlots * sizeof(uint64_t);
 constexpr size_t kPageBytes = 4096;
 // Freed blocks kept for reuse (see Registry::release), at most this many and bytes.
-constexpr size_t kPoolBlocks = 8;
+constexpr size_t kPoolBlocks = 32;
 constexpr size_t kPoolBytes = size_t{1} << 30;
 
 std::string errno_text() { return std::strerror(errno); }
@@ -85,6 +87,7 @@ class Registry {
   Block* create(size_t nbytes) {
     const size_t bytes = (nbytes + kPageBytes - 1) / kPageBytes * kPageBytes;
     if (Block* reused = from_pool(bytes)) return reused;
+    give_way(bytes);
     auto block = std::make_unique<Block>();
     block->bytes = bytes;
     block->fd = create_memory_file(bytes);
@@ -120,22 +123,9 @@ class Registry {
       pool_.push_back(block);
       pool_bytes_ += block->bytes;
       if (block->bytes > kPoolBytes) std::rotate(pool_.begin(), pool_.end() - 1, pool_.end());
-      while (pool_.size() > kPoolBlocks || pool_bytes_ > kPoolBytes) {
-        Block* oldest = pool_.front();
-        pool_.erase(pool_.begin());
-        pool_bytes_ -= oldest->bytes;
-        if (oldest->slot >= 0) {
-          __atomic_store_n(directory_ + oldest->slot, uint64_t{0}, __ATOMIC_RELEASE);
-          free_slots_.push_back(oldest->slot);
-        }
-        evicted.push_back(oldest);
-      }
+      evict_locked(kPoolBlocks, kPoolBytes, evicted);
     }
-    for (Block* b : evicted) {
-      munmap(b->base, b->bytes);
-      close(b->fd);
-      delete b;
-    }
+    unmap(evicted);
   }
 
   Block* from_pool(size_t bytes) {
@@ -149,6 +139,46 @@ class Registry {
       return block;
     }
     return nullptr;
+  }
+
+  // Before new memory is mapped, pooled blocks go (oldest first) where the host or the memory
+  // cgroup would otherwise have less than kHostMemoryMargin left: the pool must not cost a
+  // model that fits without it.
+  void give_way(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (pool_.empty()) return;
+    }
+    const int64_t shortfall = static_cast<int64_t>(bytes) + kHostMemoryMargin - host_memory_left();
+    if (shortfall <= 0) return;
+    std::vector<Block*> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto keep = std::max<int64_t>(static_cast<int64_t>(pool_bytes_) - shortfall, 0);
+      evict_locked(kPoolBlocks, static_cast<size_t>(keep), evicted);
+    }
+    unmap(evicted);
+  }
+
+  void evict_locked(size_t max_blocks, size_t max_bytes, std::vector<Block*>& evicted) {
+    while (!pool_.empty() && (pool_.size() > max_blocks || pool_bytes_ > max_bytes)) {
+      Block* oldest = pool_.front();
+      pool_.erase(pool_.begin());
+      pool_bytes_ -= oldest->bytes;
+      if (oldest->slot >= 0) {
+        __atomic_store_n(directory_ + oldest->slot, uint64_t{0}, __ATOMIC_RELEASE);
+        free_slots_.push_back(oldest->slot);
+      }
+      evicted.push_back(oldest);
+    }
+  }
+
+  static void unmap(const std::vector<Block*>& evicted) {
+    for (Block* b : evicted) {
+      munmap(b->base, b->bytes);
+      close(b->fd);
+      delete b;
+    }
   }
 
   std::optional<SharedRange> find(const void* data, size_t bytes) {

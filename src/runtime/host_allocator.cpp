@@ -1,5 +1,7 @@
 #include "host_allocator.h"
 
+#include "../host_memory.h"
+
 #include <ztrain/error.h>
 #include <ztrain/torch_compat.h>
 
@@ -11,11 +13,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <fstream>
-#include <limits>
 #include <map>
 #include <mutex>
-#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -30,7 +29,7 @@
 // per step of 7.5 s that way (docs/benchmarks.md). Keeping freed blocks and handing them out
 // again takes the kernel out of the steady state; the bound keeps what is held for reuse from
 // growing without limit. Before new memory is mapped, cached blocks are given back where the host
-// or the process's memory cgroup would otherwise have less than kMemoryMargin left, and when a
+// or the process's memory cgroup would otherwise have less than kHostMemoryMargin left, and when a
 // mapping fails the cache is emptied and the mapping retried: the largest model that trains is
 // the same with the cache as without it.
 // A cached block serves a request of up to its own size and at least 8/9 of it.
@@ -69,57 +68,6 @@ void* map_pages(size_t bytes, bool huge) {
   madvise(p, bytes, MADV_HUGEPAGE);
   return p;
 }
-
-// Memory the kernel keeps free beside what a new block takes, before the cache gives way.
-constexpr int64_t kMemoryMargin = int64_t{512} << 20;
-
-// The first number in `path`; -1 where there is none (a missing file, "max").
-int64_t read_number(const std::string& path, const std::string& key = "") {
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!key.empty() && line.rfind(key, 0) != 0) continue;
-    const auto digits = line.find_first_of("0123456789", key.size());
-    if (digits == std::string::npos) return -1;
-    return std::stoll(line.substr(digits));
-  }
-  return -1;
-}
-
-// This process's memory cgroup: its limit and usage files (cgroup v1 or v2), or none.
-std::pair<std::string, std::string> cgroup_files() {
-  std::ifstream in("/proc/self/cgroup");
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto first = line.find(':'), second = line.find(':', first + 1);
-    if (first == std::string::npos || second == std::string::npos) continue;
-    const auto controllers = line.substr(first + 1, second - first - 1), path = line.substr(second + 1);
-    if ((',' + controllers + ',').find(",memory,") != std::string::npos) {
-      const auto dir = "/sys/fs/cgroup/memory" + path;
-      return {dir + "/memory.limit_in_bytes", dir + "/memory.usage_in_bytes"};
-    }
-    if (line.rfind("0::", 0) == 0) {
-      const auto dir = "/sys/fs/cgroup" + path;
-      if (std::ifstream(dir + "/memory.max")) return {dir + "/memory.max", dir + "/memory.current"};
-    }
-  }
-  return {};
-}
-
-}  // namespace
-
-int64_t host_memory_left() {
-  static const auto cgroup = cgroup_files();
-  int64_t left = read_number("/proc/meminfo", "MemAvailable:");
-  left = left < 0 ? std::numeric_limits<int64_t>::max() : left * 1024;
-  if (!cgroup.first.empty()) {
-    const int64_t limit = read_number(cgroup.first), usage = read_number(cgroup.second);
-    if (limit >= 0 && usage >= 0) left = std::min(left, limit - usage);
-  }
-  return left;
-}
-
-namespace {
 
 class LargeBlocks {
  public:
@@ -161,7 +109,7 @@ class LargeBlocks {
     // New memory: where the host or this process's memory cgroup is short of it, cached blocks
     // are given back first, so that the cache never costs a model that would fit without it.
     if (check_memory) {
-      const int64_t shortfall = static_cast<int64_t>(bytes) + kMemoryMargin - (memory_left_ ? memory_left_() : host_memory_left());
+      const int64_t shortfall = static_cast<int64_t>(bytes) + kHostMemoryMargin - (memory_left_ ? memory_left_() : host_memory_left());
       if (shortfall > 0) {
         std::vector<std::pair<void*, size_t>> victims;
         {

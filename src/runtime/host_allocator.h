@@ -36,10 +36,6 @@ struct HostAllocatorStats {
 };
 HostAllocatorStats host_allocator_stats();
 
-/// Bytes the kernel can still give this process: the host's available memory (MemAvailable), or
-/// less where its memory cgroup (v1 or v2) has less left under its limit.
-int64_t host_memory_left();
-
 /// Unmaps every cached block (the memory goes back to the system).
 void release_cached_host_memory();
 

@@ -3,6 +3,7 @@
 // recently freed, small tensors are libtorch's as before, and raw allocations work both ways.
 #include "test_util.h"
 
+#include "../../src/host_memory.h"
 #include "../../src/runtime/host_allocator.h"
 
 #include <c10/core/CPUAllocator.h>
