@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Usage: bench/gpt2_peers.sh [--docs] [BUILD] [STEPS] [RANKS] [DTYPES]
 #
-# GPT-2 124M (12 x 768, 12 heads, vocabulary 50257) at sequence 256, batch 2 per rank, on RANKS
+# GPT-2 124M (12 x 768, 12 heads, vocabulary 50257, no dropout) at sequence 256, batch 2 per rank, on RANKS
 # ranks (default 2) x 1 intra-op thread, side by side in one run: ztrain at ZeRO levels 0 and 3,
 # PyTorch DDP and FSDP2 (fully_shard) over gloo, in each of DTYPES (default "fp32 bf16"; bf16 only
 # where the CPU has bf16 units), taking turns configuration by configuration. ztrain's ranks
@@ -31,18 +31,19 @@ mkdir -p "$(dirname "$out")"
 : > "$out"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 common=(--preset gpt2 --batch 2 --seq 256 --steps "$steps" --warmup 2 --data "$data" --json "$out")
+ztrain_only=(--dropout 0)  # as the PyTorch peers, whose model has no dropout
 for dtype in $dtypes; do
-  mpirun -np 1 --bind-to none "$build/bench/gpt_bench" "${common[@]}" --dtype "$dtype" --level 0 --probe \
+  mpirun -np 1 --bind-to none "$build/bench/gpt_bench" "${common[@]}" "${ztrain_only[@]}" --dtype "$dtype" --level 0 --probe \
     --tag "ztrain 1 rank" > /dev/null
   pids=()
   for ((i = 0; i < ranks; ++i)); do
-    mpirun -np 1 --bind-to none "$build/bench/gpt_bench" "${common[@]}" --dtype "$dtype" --level 0 --probe \
+    mpirun -np 1 --bind-to none "$build/bench/gpt_bench" "${common[@]}" "${ztrain_only[@]}" --dtype "$dtype" --level 0 --probe \
       --tag "ztrain 1 rank, $ranks at once" > /dev/null &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
   for level in 0 3; do
-    mpirun -np "$ranks" --oversubscribe --bind-to none "$build/bench/gpt_bench" "${common[@]}" \
+    mpirun -np "$ranks" --oversubscribe --bind-to none "$build/bench/gpt_bench" "${common[@]}" "${ztrain_only[@]}" \
       --dtype "$dtype" --level "$level" --probe --tag "ztrain L$level" > /dev/null
   done
   for system in ddp fsdp2; do

@@ -45,9 +45,11 @@ def main():
         return flops_per_token * r["tokens_per_s"] / r["ranks"] / 1e9
 
     r0, m = ours[0], ours[0]["model"]
+    # The PyTorch peers' model has no dropout; runs from before gpt_bench recorded it had 0.1.
+    dropout = "no dropout" if m.get("dropout", 0.1) == 0 else f"dropout {m.get('dropout', 0.1)} in ztrain only"
     out = [f"Measured on {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(os.path.getmtime(a.results)))}, commit {a.commit}. "
            f"GPT-2 of {m['layers']} × {m['d_model']}, {m['heads']} heads, vocabulary {m['vocab']} "
-           f"({r0['params'] / 1e6:.1f} M parameters), sequence {r0['seq']}, {r0['batch']} sequences per rank, "
+           f"({r0['params'] / 1e6:.1f} M parameters), {dropout}, sequence {r0['seq']}, {r0['batch']} sequences per rank, "
            f"{n} ranks × 1 intra-op thread, each system with its own AdamW; {r0['steps']} timed steps after "
            f"{r0['warmup']} untimed. ztrain at ZeRO levels 0 and 3 (`gpt_bench`), PyTorch's DDP and FSDP2 "
            "(`fully_shard`, each block a unit) over gloo (`peer_torch.py`), and ztrain on one rank with the same "

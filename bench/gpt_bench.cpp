@@ -195,6 +195,7 @@ struct Args {
   std::string system = "ztrain";
   std::string preset = "small";
   std::optional<int64_t> d_model, layers, heads, context;
+  std::optional<double> dropout;
   std::string dtype = "fp32";
   int level = 0;
   int64_t batch = 4;
@@ -233,6 +234,7 @@ int run(const Args& a) {
   if (a.layers) config.n_layer = *a.layers;
   if (a.heads) config.n_head = *a.heads;
   if (a.context) config.context = *a.context;
+  if (a.dropout) config.dropout = *a.dropout;
   config.dtype = a.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
   config.fused_attention = a.attention == "fused";
   const int64_t seq = a.seq.value_or(config.context);
@@ -394,7 +396,7 @@ int run(const Args& a) {
       {"threads", rt.threads()},
       {"model", {{"vocab", config.vocab_size}, {"context", config.context}, {"d_model", config.d_model},
                  {"layers", config.n_layer}, {"heads", config.n_head}, {"preset", a.preset},
-                 {"attention", a.attention}}},
+                 {"attention", a.attention}, {"dropout", config.dropout}}},
       {"params", psi},
       {"embedding_params", config.vocab_size * config.d_model + config.context * config.d_model},
       {"batch", a.batch},
@@ -439,6 +441,7 @@ int main(int argc, char** argv) try {
   app.add_option("--layers", a.layers, "override the preset's blocks");
   app.add_option("--heads", a.heads, "override the preset's heads");
   app.add_option("--context", a.context, "override the preset's context");
+  app.add_option("--dropout", a.dropout, "override the preset's dropout (gpt2: 0.1, the others: 0)");
   app.add_option("--dtype", a.dtype, "fp32 or bf16 (fp32 masters)")->capture_default_str();
   app.add_option("--attention", a.attention, "fused (scaled_dot_product_attention) or eager")->capture_default_str();
   app.add_option("--level", a.level, "ZeRO level 0..3 (system ztrain)")->capture_default_str();
