@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs]
+# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs] [--all]
 #
 # Regenerates the section "Against peers and limits" of docs/benchmarks.md (between the markers
 # <!-- run_all:begin --> and <!-- run_all:end -->) and its plots docs/img/bench_*.png: GPT
@@ -15,6 +15,12 @@
 #                   in a few minutes; the page is not written unless --docs is also given
 #   --docs          write the page even with --quick
 #   --no-docs       measure only (the page can be written later with bench/report.py)
+#   --all           then the other generated sections, each with its goals marked met or missed:
+#                   the GPT-2 124M comparison with DDP and FSDP2 (bench/gpt2_peers.sh, fp32 and,
+#                   where the CPU has bf16 units, bf16), growth with model size
+#                   (bench/growth.sh) and models beyond memory (bench/beyond_memory.sh); the last
+#                   two need root (memory cgroups). Over an hour and a half on the development
+#                   machine.
 #
 # Takes under 6 minutes on the 2-core development machine when it is otherwise idle.
 set -euo pipefail
@@ -24,6 +30,7 @@ build=$root/build
 results=
 quick=0
 docs=auto
+all=0
 while (($#)); do
   case $1 in
     --build) build=$(realpath -m "$2"); shift 2 ;;
@@ -31,11 +38,13 @@ while (($#)); do
     --quick) quick=1; shift ;;
     --docs) docs=yes; shift ;;
     --no-docs) docs=no; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    --all) all=1; shift ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "run_all: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 [[ $docs == auto ]] && { ((quick)) && docs=no || docs=yes; }
+((all)) && [[ $(id -u) != 0 ]] && { echo "run_all: --all needs root (growth and beyond-memory run in memory cgroups)" >&2; exit 2; }
 results=${results:-$build/bench-results}
 python=${ZTRAIN_PYTHON:-$root/.venv/bin/python}  # scripts/setup.sh makes it
 data=$root/data/tinyshakespeare.txt
@@ -154,4 +163,13 @@ EOF
 echo "run_all: $runs runs in ${elapsed} s; results in $results" >&2
 if [[ $docs == yes ]]; then
   "$python" "$root/bench/report.py" --results "$results" --doc "$root/docs/benchmarks.md" --img "$root/docs/img"
+fi
+if ((all)); then
+  section_docs=()
+  [[ $docs == yes ]] && section_docs=(--docs)
+  dtypes=fp32
+  grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo && dtypes="fp32 bf16"
+  "$root/bench/gpt2_peers.sh" "${section_docs[@]}" "$build" 4 2 "$dtypes"
+  "$root/bench/growth.sh" --build "$build" "${section_docs[@]}"
+  "$root/bench/beyond_memory.sh" --build "$build" "${section_docs[@]}"
 fi
