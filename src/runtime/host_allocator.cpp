@@ -25,13 +25,13 @@
 // blocks, gradients. glibc serves an allocation above its mmap threshold (at most 32 MiB) with a
 // fresh mapping and unmaps it when it is freed, and one below it from a heap it trims, so each
 // step the kernel maps, zeroes and charges those pages anew, one fault per 4 KiB page. GPT-2
-// 124M at batch 2 × 256 on one rank took about 370 thousand page faults and 0.7 s of system time
-// per step of 7.5 s that way (docs/benchmarks.md). Keeping freed blocks and handing them out
+// 124M at batch 2 × 256 on one rank took about 210 thousand more page faults and 0.8 s more
+// system time per step of 7–8 s that way (docs/benchmarks.md). Keeping freed blocks and handing them out
 // again takes the kernel out of the steady state; the bound keeps what is held for reuse from
 // growing without limit. Before new memory is mapped, cached blocks are given back where the host
 // or the process's memory cgroup would otherwise have less than kHostMemoryMargin left, and when a
-// mapping fails the cache is emptied and the mapping retried: the largest model that trains is
-// the same with the cache as without it.
+// mapping fails the cache is emptied and the mapping retried: what the cache holds gives way to
+// what the model needs.
 // A cached block serves a request of up to its own size and at least 8/9 of it.
 //
 // Why huge pages (only when asked)
