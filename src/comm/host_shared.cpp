@@ -142,8 +142,8 @@ class Registry {
   }
 
   // Before new memory is mapped, pooled blocks go (oldest first) where the host or the memory
-  // cgroup would otherwise have less than kHostMemoryMargin left: the pool must not cost a
-  // model that fits without it.
+  // cgroup would otherwise have less than kHostMemoryMargin left: what the pool holds gives way
+  // to what the model needs.
   void give_way(size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -26,12 +26,12 @@
 // fresh mapping and unmaps it when it is freed, and one below it from a heap it trims, so each
 // step the kernel maps, zeroes and charges those pages anew, one fault per 4 KiB page. GPT-2
 // 124M at batch 2 × 256 on one rank took about 210 thousand more page faults and 0.8 s more
-// system time per step of 7–8 s that way (docs/benchmarks.md). Keeping freed blocks and handing them out
-// again takes the kernel out of the steady state; the bound keeps what is held for reuse from
-// growing without limit. Before new memory is mapped, cached blocks are given back where the host
-// or the process's memory cgroup would otherwise have less than kHostMemoryMargin left, and when a
-// mapping fails the cache is emptied and the mapping retried: what the cache holds gives way to
-// what the model needs.
+// system time per step of 7–8 s that way (docs/benchmarks.md). Keeping freed blocks and handing
+// them out again takes the kernel out of the steady state; the bound keeps what is held for reuse
+// from growing without limit. Before new memory is mapped, cached blocks are given back where the
+// host or the process's memory cgroup would otherwise have less than kHostMemoryMargin left, and
+// when a mapping fails the cache is emptied and the mapping retried: what the cache holds gives
+// way to what the model needs.
 // A cached block serves a request of up to its own size and at least 8/9 of it.
 //
 // Why huge pages (only when asked)
@@ -107,9 +107,10 @@ class LargeBlocks {
       check_memory = cached_ > 0;
     }
     // New memory: where the host or this process's memory cgroup is short of it, cached blocks
-    // are given back first, so that the cache never costs a model that would fit without it.
+    // are given back first, so that what the cache holds gives way to what the model needs.
     if (check_memory) {
-      const int64_t shortfall = static_cast<int64_t>(bytes) + kHostMemoryMargin - (memory_left_ ? memory_left_() : host_memory_left());
+      const int64_t left = memory_left_ ? memory_left_() : host_memory_left();
+      const int64_t shortfall = static_cast<int64_t>(bytes) + kHostMemoryMargin - left;
       if (shortfall > 0) {
         std::vector<std::pair<void*, size_t>> victims;
         {
