@@ -88,6 +88,7 @@ class LargeBlocks {
   void* allocate(size_t nbytes) {
     size_t bytes = 0;
     bool huge = false, check_memory = false;
+    int64_t (*memory_left)() = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       huge = huge_;
@@ -105,12 +106,12 @@ class LargeBlocks {
       }
       ++misses_;
       check_memory = cached_ > 0;
+      memory_left = memory_left_ ? memory_left_ : &host_memory_left;
     }
     // New memory: where the host or this process's memory cgroup is short of it, cached blocks
     // are given back first, so that what the cache holds gives way to what the model needs.
     if (check_memory) {
-      const int64_t left = memory_left_ ? memory_left_() : host_memory_left();
-      const int64_t shortfall = static_cast<int64_t>(bytes) + kHostMemoryMargin - left;
+      const int64_t shortfall = static_cast<int64_t>(bytes) + kHostMemoryMargin - memory_left();
       if (shortfall > 0) {
         std::vector<std::pair<void*, size_t>> victims;
         {

@@ -13,9 +13,11 @@
 
 #include <thread>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <mutex>
 #include <string>
 
@@ -38,17 +40,22 @@ std::optional<std::string> env(const char* name) {
   return std::string(v);
 }
 
-int env_int(const char* name, const std::string& value, int min) {
+// The integer `value` of environment variable `name`, at least `min`; `what` names the kind.
+int64_t env_number(const char* name, const std::string& value, int64_t min, const char* what = "an integer") {
   size_t used = 0;
-  long parsed = 0;
+  long long parsed = 0;
   try {
-    parsed = std::stol(value, &used);
+    parsed = std::stoll(value, &used);
   } catch (const std::exception&) {
     used = 0;
   }
-  ZTRAIN_CHECK(used == value.size() && parsed >= min, "environment variable ", name, "=", value,
-               " must be an integer >= ", min);
-  return static_cast<int>(parsed);
+  ZTRAIN_CHECK(used == value.size() && parsed >= min, "environment variable ", name, "=", value, " must be ", what,
+               " >= ", min);
+  return parsed;
+}
+
+int env_int(const char* name, const std::string& value, int min) {
+  return static_cast<int>(std::min<int64_t>(env_number(name, value, min), std::numeric_limits<int>::max()));
 }
 
 std::chrono::milliseconds resolve_timeout(const InitOptions& o) {
@@ -79,16 +86,7 @@ int64_t resolve_host_cache_bytes(const InitOptions& o) {
   }
   auto v = env("ZTRAIN_HOST_CACHE_BYTES");
   if (!v) return detail::default_host_cache_bytes();
-  size_t used = 0;
-  long long parsed = -1;
-  try {
-    parsed = std::stoll(*v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  ZTRAIN_CHECK(used == v->size() && parsed >= 0, "environment variable ZTRAIN_HOST_CACHE_BYTES=", *v,
-               " must be a number of bytes >= 0");
-  return parsed;
+  return env_number("ZTRAIN_HOST_CACHE_BYTES", *v, 0, "a number of bytes");
 }
 
 bool resolve_hierarchical(const InitOptions& o) {
