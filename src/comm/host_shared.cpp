@@ -49,7 +49,9 @@ constexpr size_t kPoolBytes = size_t{1} << 30;
 std::string errno_text() { return std::strerror(errno); }
 
 int create_memory_file(size_t bytes) {
-  const int fd = memfd_create("ztrain-host-shared", MFD_CLOEXEC);
+  // Named after the owner, so that /proc/PID/maps tells a peer's blocks from the process's own.
+  const auto name = "ztrain-host-shared-" + std::to_string(getpid());
+  const int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
   ZTRAIN_CHECK(fd >= 0, "host_shared_empty: cannot create a shared memory file: ", errno_text(),
                errno == EMFILE ? " (every block holds a file descriptor; raise `ulimit -n`)" : "");
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
@@ -179,6 +181,11 @@ class Registry {
       close(b->fd);
       delete b;
     }
+  }
+
+  size_t pooled_bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pool_bytes_;
   }
 
   std::optional<SharedRange> find(const void* data, size_t bytes) {
@@ -395,6 +402,8 @@ void sum_scalar(float* const* dsts, int ndst, const float* const* srcs, int n, i
 std::optional<SharedRange> find_host_shared(const void* data, size_t bytes) {
   return Registry::instance().find(data, bytes);
 }
+
+size_t pooled_host_shared_bytes() { return Registry::instance().pooled_bytes(); }
 
 char* map_host_shared(const SharedRange& range, std::string& error) {
   if (range.pid == getpid()) {

@@ -26,6 +26,9 @@ struct SharedRange {
 /// The range [data, data + bytes) if it lies inside one live host-shared block of this process.
 std::optional<SharedRange> find_host_shared(const void* data, size_t bytes);
 
+/// Bytes of freed blocks this process keeps for reuse (its pool).
+size_t pooled_host_shared_bytes();
+
 /// The first byte of a peer's `range`, mapped into this process for reading and writing, or
 /// nullptr with the reason in `error`. Mappings are kept while the owner keeps the block; each
 /// call first unmaps the blocks that owner has freed since. Thread-safe.

@@ -79,7 +79,6 @@ class LargeBlocks {
       if (options.huge_pages != huge_) evict_locked(0, victims);
       limit_ = std::max<int64_t>(options.cache_bytes, 0);
       huge_ = options.huge_pages;
-      memory_left_ = options.memory_left;
       evict_locked(limit_, victims);
     }
     unmap(victims);
@@ -88,7 +87,6 @@ class LargeBlocks {
   void* allocate(size_t nbytes) {
     size_t bytes = 0;
     bool huge = false, check_memory = false;
-    int64_t (*memory_left)() = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       huge = huge_;
@@ -106,12 +104,11 @@ class LargeBlocks {
       }
       ++misses_;
       check_memory = cached_ > 0;
-      memory_left = memory_left_ ? memory_left_ : &host_memory_left;
     }
     // New memory: where the host or this process's memory cgroup is short of it, cached blocks
     // are given back first, so that what the cache holds gives way to what the model needs.
     if (check_memory) {
-      const int64_t shortfall = static_cast<int64_t>(bytes) + kHostMemoryMargin - memory_left();
+      const int64_t shortfall = static_cast<int64_t>(bytes) + kHostMemoryMargin - host_memory_left();
       if (shortfall > 0) {
         std::vector<std::pair<void*, size_t>> victims;
         {
@@ -211,7 +208,6 @@ class LargeBlocks {
   uint64_t clock_ = 0;
   int64_t limit_ = 0, cached_ = 0, mapped_ = 0, hits_ = 0, misses_ = 0;
   bool huge_ = false;
-  int64_t (*memory_left_)() = nullptr;
 };
 
 // Never destroyed: tensors may be freed after main returns.

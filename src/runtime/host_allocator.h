@@ -18,8 +18,6 @@ struct HostAllocatorOptions {
   int64_t cache_bytes = 0;
   /// Back large allocations with transparent huge pages (2 MiB aligned, madvise(MADV_HUGEPAGE)).
   bool huge_pages = false;
-  /// Bytes the kernel can still give the process; null: host_memory_left(). Tests replace it.
-  int64_t (*memory_left)() = nullptr;
 };
 
 /// Routes libtorch's CPU allocations of at least kLargeHostBytes through ztrain's allocator,

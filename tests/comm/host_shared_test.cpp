@@ -4,6 +4,7 @@
 #include "test_util.h"
 
 #include "../../src/comm/host_shared_detail.h"
+#include "../../src/host_memory.h"
 
 #include <ztrain/comm/host_shared.h>
 
@@ -142,15 +143,53 @@ TEST(HostShared, PeersUnmapBlocksTheirOwnerFreed) {
   };
   reduce_fresh_block(1 << 16);  // 256 KiB, the default threshold; maps the peers' directories too
   const int before = peer_host_shared_mappings();
+  EXPECT_EQ(before, c.size() - 1);  // that block of each peer
   // Push that block out of its owner's pool of freed blocks: more blocks freed than it keeps.
   {
     std::vector<torch::Tensor> others;
-    for (int i = 0; i < 16; ++i) others.push_back(ztrain::host_shared_empty({10}));
+    for (int i = 0; i < 40; ++i) others.push_back(ztrain::host_shared_empty({10}));
   }
   // The next collective unmaps it in the peers before mapping the new block.
   reduce_fresh_block(1 << 17);
   EXPECT_EQ(peer_host_shared_mappings(), before);
   EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 2 : 0);
+}
+
+int64_t g_memory_left = 0;
+int64_t fake_memory_left() { return g_memory_left; }
+
+TEST(HostShared, PooledBlocksGiveWayWhereMemoryRunsShort) {
+  auto& c = ztrain::runtime().world();
+  const size_t mib = 1 << 20;
+  auto pooled = [] { return ztrain::detail::pooled_host_shared_bytes(); };
+  auto empty = [](size_t bytes) { return ztrain::host_shared_empty({static_cast<int64_t>(bytes / 4)}); };
+  auto reduce_fresh_block = [&](size_t bytes) {
+    auto t = empty(bytes).fill_(1);
+    c.all_reduce(t);
+    EXPECT_EQ(t[0].item<float>(), static_cast<float>(c.size()));
+  };
+  ztrain::detail::fake_host_memory_left(&fake_memory_left);
+  // Nothing left: a new block takes the pool's place (what earlier tests left there).
+  g_memory_left = 0;
+  reduce_fresh_block(mib);
+  EXPECT_EQ(pooled(), mib);
+  const int mapped = peer_host_shared_mappings();
+  EXPECT_EQ(mapped, c.size() - 1);  // each peer's 1 MiB block: their pools went, so did their mappings
+  // Plenty left: freed blocks stay for reuse.
+  g_memory_left = int64_t{1} << 40;
+  { auto a = empty(2 * mib), b = empty(3 * mib); }
+  { auto d = empty(4 * mib); }
+  EXPECT_EQ(pooled(), 10 * mib);
+  // 1 MiB short of the margin beside a new 5 MiB block: the oldest pooled block (1 MiB) goes.
+  g_memory_left = ztrain::detail::kHostMemoryMargin + 4 * mib;
+  auto e = empty(5 * mib);
+  EXPECT_EQ(pooled(), 9 * mib);
+  // Nothing left again: the whole pool goes, and the peers let go of their mappings of it.
+  g_memory_left = 0;
+  reduce_fresh_block(7 * mib);
+  ztrain::detail::fake_host_memory_left(nullptr);
+  EXPECT_EQ(pooled(), 7 * mib);
+  EXPECT_EQ(peer_host_shared_mappings(), mapped);  // each peer's 7 MiB block instead of its 1 MiB one
 }
 
 TEST(HostShared, PeerTrafficCountsTheBytesMovedThroughPeers) {

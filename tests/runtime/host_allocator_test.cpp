@@ -94,7 +94,8 @@ int64_t g_memory_left = int64_t{1} << 40;
 int64_t fake_memory_left() { return g_memory_left; }
 
 TEST(HostAllocator, CachedBlocksGiveWayWhereMemoryRunsShort) {
-  install_host_allocator({.cache_bytes = 256 * kMiB, .memory_left = &fake_memory_left});
+  ztrain::detail::fake_host_memory_left(&fake_memory_left);
+  install_host_allocator({.cache_bytes = 256 * kMiB});
   ztrain::detail::release_cached_host_memory();
   { auto a = torch::empty({8 * kMiB}, torch::kUInt8), b = torch::empty({8 * kMiB}, torch::kUInt8); }
   ASSERT_EQ(host_allocator_stats().cached_bytes, 16 * kMiB);
@@ -108,7 +109,7 @@ TEST(HostAllocator, CachedBlocksGiveWayWhereMemoryRunsShort) {
   g_memory_left = 0;
   auto e = torch::empty({3 * kMiB}, torch::kUInt8);
   EXPECT_EQ(host_allocator_stats().cached_bytes, 0);
-  g_memory_left = int64_t{1} << 40;
+  ztrain::detail::fake_host_memory_left(nullptr);
   install_host_allocator({.cache_bytes = 64 * kMiB});
 }
 

@@ -60,13 +60,16 @@ inline int expected_world_size() {
   return v ? std::atoi(v) : 1;
 }
 
-/// Mappings in this process of other processes' host-shared blocks (comm/host_shared.h): peers
-/// map them read-only, unlike their owners.
+/// Mappings in this process of other processes' host-shared blocks (comm/host_shared.h): their
+/// memory files are named after their owner's pid; peers map the owner's directory of blocks
+/// read-only and its blocks writable.
 inline int peer_host_shared_mappings() {
+  const std::string own = "ztrain-host-shared-" + std::to_string(getpid()) + " ";
   std::ifstream maps("/proc/self/maps");
   int n = 0;
   for (std::string line; std::getline(maps, line);) {
-    n += line.find("ztrain-host-shared") != std::string::npos && line.find(" r--s ") != std::string::npos;
+    n += line.find("ztrain-host-shared-") != std::string::npos && line.find(own) == std::string::npos &&
+         line.find(" rw-s ") != std::string::npos;
   }
   return n;
 }
