@@ -472,7 +472,11 @@ std::vector<torch::Tensor> ShardedModule::run(const Fn& fn, const std::vector<to
   }
   if (policy_->regathers_for_backward) {
     outputs = own_outputs(std::move(outputs));
-    release();
+    // The last module of a prefetch chain (BlockList's last block, FullyShard's last layer run)
+    // is the first whose backward runs, right after the loss, with nothing before it to
+    // prefetch it: releasing it here would only make that backward wait for a whole gather.
+    // It keeps its parameters until its backward, one more module gathered meanwhile.
+    if (!(forward_neighbours_.empty() && !backward_neighbours_.empty())) release();
   }
 
   std::shared_ptr<detail::ShardedBackward> node(new detail::ShardedBackward(self, call), torch::autograd::deleteNode);

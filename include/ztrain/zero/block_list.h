@@ -6,7 +6,9 @@
 /// extra arguments — masks, positions — reach every block unchanged), ask for every block's
 /// output (`forward_all`), or loop over the blocks yourself. In forward, block i starts the
 /// gathers of blocks i+1 … i+prefetch_depth before it computes; in backward, of blocks
-/// i−1 … i−prefetch_depth. At level 3 that bounds the gathered blocks to 1 + prefetch_depth.
+/// i−1 … i−prefetch_depth. At level 3 that bounds the gathered blocks to 1 + prefetch_depth, and
+/// the last block (with prefetch_depth ≥ 1 and more than one block) keeps its parameters from
+/// its forward to its backward, the first to run.
 /// Gradient reduce-scatters run on their own stream while backward goes on.
 ///
 /// Blocks are registered as children "0", "1", … so parameter names match a

@@ -156,7 +156,9 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   void set_gradient_sync(bool on) { gradient_sync_ = on; }
   bool gradient_sync() const { return gradient_sync_; }
 
-  /// Modules to prefetch at the start of this one's forward and backward (set by BlockList).
+  /// Modules to prefetch at the start of this one's forward and backward (set by BlockList and
+  /// FullyShard). At level 3 the last of such a chain (backward neighbours, no forward ones)
+  /// keeps its gathered parameters from its forward to its backward, which comes next.
   void set_prefetch_neighbours(std::vector<ShardedModule*> forward, std::vector<ShardedModule*> backward);
   /// Called at the start of every forward through this module (not a recomputation in
   /// backward), before its parameters are gathered: how FullyShard records execution order.
