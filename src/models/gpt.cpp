@@ -89,7 +89,9 @@ GptAttentionImpl::GptAttentionImpl(const GptConfig& c, Communicator* tp)
 
 torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   const auto b = x.size(0), t = x.size(1), hd = head_dim;
-  auto qkv = c_attn(x).view({b, t, 3, n_head, hd}).permute({2, 0, 3, 1, 4});  // [3, b, h, t, hd]
+  // q, k, v of [b, h, t, hd]; unbound, not indexed, so that backward stacks their gradients once
+  // instead of zero-filling a whole [3, b, h, t, hd] gradient for each and summing the three.
+  const auto qkv = c_attn(x).view({b, t, 3, n_head, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
   // When this rank holds some of the heads, their dropout mask is its own, not the tp group's.
   std::optional<TensorParallelRng> split_rng;
   if (n_head * hd < x.size(-1)) split_rng.emplace(x.device());
