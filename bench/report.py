@@ -336,15 +336,15 @@ def comm_section(rows):
         "below, MPI's own collectives run, counted at their bandwidth-optimal volume (the native column). Theory "
         "per rank: a ring all-reduce or reduce-scatter + all-gather of the Ψ·b bytes of the parameters (b bytes "
         "per element of the model dtype) sends 2·(N−1)/N·Ψb; levels 0–2 send that (the ZeRO paper's 2Ψ, its "
-        "N → ∞ limit), level 3 gathers the parameters twice, 3·(N−1)/N·Ψb. Where the native share is 100% (the tiny model), "
+        "N → ∞ limit), level 3 gathers them again for backward, all but the last block, which keeps them "
+        "from its forward: (N−1)/N·(3Ψ − Ψ_block)·b. Where the native share is 100% (the tiny model), "
         "the row checks the volume the engine asks MPI to move, not the transport's own traffic.")
     sel = [r for r in rows if r["system"] == "ztrain" and r["ranks"] > 1 and r["tag"] in ("peer", "memory")]
     body, checks = [], []
     for r in sorted(sel, key=lambda r: (r["params"], r["dtype"], r["ranks"], r["level"])):
         n, b = r["ranks"], (4 if r["dtype"] == "fp32" else 2)
         c = r["comm_bytes_per_step"]
-        k = 3 if r["level"] == 3 else 2
-        theory = k * (n - 1) / n * r["params"] * b
+        theory = sent_theory(r, b)
         sent = c["gather"] + c["reduce"]
         ratio = sent / theory
         checks.append((r["model"]["preset"], r["dtype"], r["level"], n, ratio))
@@ -440,14 +440,24 @@ def growth_params(m):
     return layers * (12 * d * d + 13 * d) + (m["vocab"] + m["context"]) * d + 2 * d
 
 
+def sent_theory(r, b=4):
+    """Bytes a rank sends per step by the ring formulas, b bytes per element: a reduce-scatter and
+    an all-gather of the Ψ·b bytes of the parameters at levels 0–2, 2·(N−1)/N·Ψb; level 3 gathers
+    them again for backward, all but the last block's (12·d² + 13·d elements of a GPT block),
+    which keeps its parameters from its forward to its backward."""
+    n, psi, d = r["ranks"], r["params"], r["model"]["d_model"]
+    elements = 3 * psi - (12 * d * d + 13 * d) if r["level"] == 3 else 2 * psi
+    return (n - 1) / n * elements * b
+
+
 def growth_theory(r):
     """The lines drawn beside a growth run: its step if the model FLOPs ran at the matmul peak
     measured in the same process, the bytes a rank moves per step by the ring formulas, and the
     model state per rank by the design formula."""
-    n, psi = r["ranks"], r["params"]
+    n = r["ranks"]
     tokens = r["tokens_per_step"] / n
     return {"step_s": r["flops_per_token"] * tokens / (r["matmul"]["fp32"]["peak_gflops"] * 1e9),
-            "bytes": (3 if r["level"] == 3 else 2) * (n - 1) / n * psi * 4,
+            "bytes": sent_theory(r),
             "model_state": r["formula"]["design"]["model_state"]}
 
 

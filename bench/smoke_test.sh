@@ -29,8 +29,10 @@ if [[ -d $package/ztrain ]]; then
   PYTHONPATH=$package "$mpiexec" -np 2 --oversubscribe --bind-to none -x PYTHONPATH "$python" "$here/python_bench.py" \
     --level 3 --preset tiny --batch 1 --seq 16 --steps 1 --warmup 1 --data "$data" --json "$work/python.jsonl" >/dev/null
 fi
-"$python" - "$work/results.jsonl" "$work/python.jsonl" <<'EOF'
+"$python" - "$work/results.jsonl" "$work/python.jsonl" "$here" <<'EOF'
 import json, os, sys
+sys.path.insert(0, sys.argv[3])
+from report import sent_theory
 rows = [json.loads(l) for l in open(sys.argv[1])]
 python = [json.loads(l) for l in open(sys.argv[2])] if os.path.exists(sys.argv[2]) else []
 ours = [r for r in rows if r["system"] == "ztrain"]
@@ -39,8 +41,7 @@ fsdp2 = next(r for r in rows if r["system"] == "fsdp2")
 full = fsdp2["params"] * 4
 assert fsdp2["memory"]["parameter"] <= 0.6 * full, f"FSDP2 holds {fsdp2['memory']['parameter']} of {full} bytes"
 for r in ours:
-    n, k = r["ranks"], 3 if r["level"] == 3 else 2
-    theory = k * (n - 1) / n * r["params"] * 4
+    theory = sent_theory(r)
     sent = r["comm_bytes_per_step"]["gather"] + r["comm_bytes_per_step"]["reduce"]
     assert abs(sent / theory - 1) < 1e-3, f"level {r['level']}: sent {sent} bytes per step, theory {theory}"
     state, formula = r["memory"]["model_state"], r["formula"]["design"]["model_state"]
