@@ -7,7 +7,7 @@ Each FILE is one round of the run (gpt2_peers.roundR.jsonl): one line per run of
 (gpt_bench's and peer_torch.py's). Each configuration is judged by its fastest round, the one
 least disturbed by the host's other load, and every round's median step is shown beside it. The
 Markdown replaces what lies between <!-- gpt2_peers:begin --> and <!-- gpt2_peers:end --> in the
-page (without --doc it is printed). Every figure comes from FILE; the goals of the performance
+page (without --doc it is printed). Every figure comes from those files; the goals of the performance
 issue are checked here, each marked met or missed.
 """
 import argparse
@@ -77,7 +77,7 @@ def main():
         s, ph = r["step_s"], r.get("phase_s")
         body.append([r["tag"], r["dtype"], f"{r['tokens_per_s']:.1f}", f"{s['median']:.2f} ({s['p10']:.2f}–{s['p90']:.2f})",
                      " / ".join(f"{v:.2f}" for v in steps[k]),
-                     " / ".join(f"{ph[k]:.2f}" for k in ("forward", "backward", "optimizer")) if ph else "–",
+                     " / ".join(f"{ph[phase]:.2f}" for phase in ("forward", "backward", "optimizer")) if ph else "–",
                      f"{r['memory']['peak_rss'] / 2**30:.2f}", f"{gflops(r):.1f}", f"{gflops(r) / peak[r['dtype']]:.1%}"])
     out += [table(["system", "dtype", "tokens/s", "step s (p10–p90)", "each round's step s", "forward / backward / optimizer s",
                    "peak RSS/rank GiB", "model GFLOP/s per rank", "of peak"], body), ""]

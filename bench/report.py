@@ -434,19 +434,24 @@ def efficiency_section(rows, results):
 GROWTH = ("<!-- growth:begin -->", "<!-- growth:end -->")
 
 
+def block_params(d):
+    """Parameters of one GPT block of width d: attention and MLP weights and biases, two LayerNorms."""
+    return 12 * d * d + 13 * d
+
+
 def growth_params(m):
     """Parameters of gpt_bench's GPT (byte vocabulary, learnt positions, tied head) of shape `m`."""
-    d, layers = m["d_model"], m["layers"]
-    return layers * (12 * d * d + 13 * d) + (m["vocab"] + m["context"]) * d + 2 * d
+    d = m["d_model"]
+    return m["layers"] * block_params(d) + (m["vocab"] + m["context"]) * d + 2 * d
 
 
 def sent_theory(r, b=4):
     """Bytes a rank sends per step by the ring formulas, b bytes per element: a reduce-scatter and
     an all-gather of the Ψ·b bytes of the parameters at levels 0–2, 2·(N−1)/N·Ψb; level 3 gathers
-    them again for backward, all but the last block's (12·d² + 13·d elements of a GPT block),
-    which keeps its parameters from its forward to its backward."""
-    n, psi, d = r["ranks"], r["params"], r["model"]["d_model"]
-    elements = 3 * psi - (12 * d * d + 13 * d) if r["level"] == 3 else 2 * psi
+    them again for backward, all but the last block's, which keeps its parameters from its forward
+    to its backward."""
+    n, psi = r["ranks"], r["params"]
+    elements = 3 * psi - block_params(r["model"]["d_model"]) if r["level"] == 3 else 2 * psi
     return (n - 1) / n * elements * b
 
 

@@ -43,14 +43,14 @@ std::pair<std::string, std::string> cgroup_files() {
   return {};
 }
 
-std::atomic<int64_t (*)()> g_fake{nullptr};
+std::atomic<int64_t> g_fake{-1};
 
 }  // namespace
 
-void fake_host_memory_left(int64_t (*fake)()) { g_fake.store(fake); }
+void fake_host_memory_left(int64_t left) { g_fake.store(left); }
 
 int64_t host_memory_left() {
-  if (auto* fake = g_fake.load()) return fake();
+  if (const int64_t fake = g_fake.load(); fake >= 0) return fake;
   static const auto cgroup = cgroup_files();
   int64_t left = read_number("/proc/meminfo", "MemAvailable:");
   left = left < 0 ? std::numeric_limits<int64_t>::max() : left * 1024;

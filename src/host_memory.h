@@ -13,8 +13,8 @@ constexpr int64_t kHostMemoryMargin = int64_t{512} << 20;
 /// less where its memory cgroup (v1 or v2) has less left under its limit.
 int64_t host_memory_left();
 
-/// Makes host_memory_left() return what `fake` returns (null: the real figure again), so that
+/// Makes host_memory_left() return `left` (a negative value: the real figure again), so that
 /// tests can stage a shortfall; process-wide.
-void fake_host_memory_left(int64_t (*fake)());
+void fake_host_memory_left(int64_t left);
 
 }  // namespace ztrain::detail

@@ -22,6 +22,7 @@
 #include <ztrain/error.h>
 #include <ztrain/optim/adam.h>
 #include <ztrain/optim/adam_offload.h>
+#include <ztrain/models/fused.h>
 #include <ztrain/models/gpt.h>
 #include <ztrain/models/plain_gpt.h>
 #include <ztrain/optim/loss_scaler.h>

@@ -2,6 +2,7 @@
 
 #include <ztrain/comm/functional.h>
 #include <ztrain/error.h>
+#include <ztrain/models/fused.h>
 #include <ztrain/runtime/init.h>
 #include <ztrain/runtime/tp_rng.h>
 
@@ -117,7 +118,7 @@ GptMlpImpl::GptMlpImpl(const GptConfig& c, Communicator* tp)
   register_module("dropout", dropout);
 }
 
-torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) { return dropout(c_proj(torch::gelu(c_fc(x), "tanh"))); }
+torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) { return dropout(c_proj(gelu_tanh(c_fc(x)))); }
 
 GptBlockImpl::GptBlockImpl(const GptConfig& c, Communicator* tp)
     : ln_1(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)),
@@ -208,7 +209,7 @@ torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& 
   auto flat = logits.reshape({-1, logits.size(-1)});
   auto targets = tokens.slice(1, 1).reshape(-1);
   if (tp) return tp::parallel_cross_entropy(flat, targets, {}, tp);
-  return torch::nn::functional::cross_entropy(flat.to(torch::kFloat32), targets);
+  return cross_entropy(flat.to(torch::kFloat32), targets);
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {

@@ -155,9 +155,6 @@ TEST(HostShared, PeersUnmapBlocksTheirOwnerFreed) {
   EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 2 : 0);
 }
 
-int64_t g_memory_left = 0;
-int64_t fake_memory_left() { return g_memory_left; }
-
 TEST(HostShared, PooledBlocksGiveWayWhereMemoryRunsShort) {
   auto& c = ztrain::runtime().world();
   const size_t mib = 1 << 20;
@@ -168,26 +165,25 @@ TEST(HostShared, PooledBlocksGiveWayWhereMemoryRunsShort) {
     c.all_reduce(t);
     EXPECT_EQ(t[0].item<float>(), static_cast<float>(c.size()));
   };
-  ztrain::detail::fake_host_memory_left(&fake_memory_left);
   // Nothing left: a new block takes the pool's place (what earlier tests left there).
-  g_memory_left = 0;
+  ztrain::detail::fake_host_memory_left(0);
   reduce_fresh_block(mib);
   EXPECT_EQ(pooled(), mib);
   const int mapped = peer_host_shared_mappings();
   EXPECT_EQ(mapped, c.size() - 1);  // each peer's 1 MiB block: their pools went, so did their mappings
   // Plenty left: freed blocks stay for reuse.
-  g_memory_left = int64_t{1} << 40;
+  ztrain::detail::fake_host_memory_left(int64_t{1} << 40);
   { auto a = empty(2 * mib), b = empty(3 * mib); }
   { auto d = empty(4 * mib); }
   EXPECT_EQ(pooled(), 10 * mib);
   // 1 MiB short of the margin beside a new 5 MiB block: the oldest pooled block (1 MiB) goes.
-  g_memory_left = ztrain::detail::kHostMemoryMargin + 4 * mib;
+  ztrain::detail::fake_host_memory_left(ztrain::detail::kHostMemoryMargin + 4 * mib);
   auto e = empty(5 * mib);
   EXPECT_EQ(pooled(), 9 * mib);
   // Nothing left again: the whole pool goes, and the peers let go of their mappings of it.
-  g_memory_left = 0;
+  ztrain::detail::fake_host_memory_left(0);
   reduce_fresh_block(7 * mib);
-  ztrain::detail::fake_host_memory_left(nullptr);
+  ztrain::detail::fake_host_memory_left(-1);
   EXPECT_EQ(pooled(), 7 * mib);
   EXPECT_EQ(peer_host_shared_mappings(), mapped);  // each peer's 7 MiB block instead of its 1 MiB one
 }

@@ -90,11 +90,8 @@ TEST(HostAllocator, KnowsTheMemoryLeft) {
   EXPECT_LE(left, static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE));
 }
 
-int64_t g_memory_left = int64_t{1} << 40;
-int64_t fake_memory_left() { return g_memory_left; }
-
 TEST(HostAllocator, CachedBlocksGiveWayWhereMemoryRunsShort) {
-  ztrain::detail::fake_host_memory_left(&fake_memory_left);
+  ztrain::detail::fake_host_memory_left(int64_t{1} << 40);
   install_host_allocator({.cache_bytes = 256 * kMiB});
   ztrain::detail::release_cached_host_memory();
   { auto a = torch::empty({8 * kMiB}, torch::kUInt8), b = torch::empty({8 * kMiB}, torch::kUInt8); }
@@ -102,14 +99,14 @@ TEST(HostAllocator, CachedBlocksGiveWayWhereMemoryRunsShort) {
   { auto c = torch::empty({4 * kMiB}, torch::kUInt8); }  // plenty left: the cache stays
   EXPECT_EQ(host_allocator_stats().cached_bytes, 20 * kMiB);
   // 2 MiB short of the margin after a new 2 MiB block: the least recently freed block goes.
-  g_memory_left = 512 * kMiB;
+  ztrain::detail::fake_host_memory_left(512 * kMiB);
   auto d = torch::empty({2 * kMiB}, torch::kUInt8);
   EXPECT_EQ(host_allocator_stats().cached_bytes, 12 * kMiB);
   // Nothing left at all: every cached block goes before the mapping.
-  g_memory_left = 0;
+  ztrain::detail::fake_host_memory_left(0);
   auto e = torch::empty({3 * kMiB}, torch::kUInt8);
   EXPECT_EQ(host_allocator_stats().cached_bytes, 0);
-  ztrain::detail::fake_host_memory_left(nullptr);
+  ztrain::detail::fake_host_memory_left(-1);
   install_host_allocator({.cache_bytes = 64 * kMiB});
 }
 

@@ -1,0 +1,194 @@
+#include <ztrain/error.h>
+#include <ztrain/models/fused.h>
+
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+// How it works
+// ------------
+// Forward: for each row of logits l (V elements), m = max(l) and lse = m + log Σ exp(l − m), in
+// two passes over the row, which stays in cache between them; the loss is the mean of
+// lse − l[target] over the rows whose target is not ignored, summed in double. lse ([N] floats)
+// is all forward keeps besides its inputs.
+// Backward: row i of the gradient is (exp(l − lse_i) − one-hot(target_i)) · g / count, written in
+// one pass; rows whose target is ignored are zero.
+// The AVX2 code sums 16 elements at a time in two accumulators and pads its tail with −inf, which
+// adds exp(−inf) = 0; the scalar code, for CPUs without AVX2, uses std::exp.
+
+namespace ztrain::models {
+
+namespace {
+
+using detail::simd::exp8;
+using detail::simd::load8;
+using detail::simd::store8;
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// ---- scalar ------------------------------------------------------------------------------------
+
+float row_lse_scalar(const float* l, int64_t v) {
+  float m = kMinusInf;
+  for (int64_t j = 0; j < v; ++j) m = std::max(m, l[j]);
+  double sum = 0;  // one accumulator: in float, its rounding would grow with the row
+  for (int64_t j = 0; j < v; ++j) sum += std::exp(l[j] - m);
+  return m + static_cast<float>(std::log(sum));
+}
+
+void row_grad_scalar(const float* l, float lse, float scale, float* out, int64_t v) {
+  for (int64_t j = 0; j < v; ++j) out[j] = std::exp(l[j] - lse) * scale;
+}
+
+// ---- AVX2 --------------------------------------------------------------------------------------
+
+ZTRAIN_AVX2 inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+ZTRAIN_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// The last v % 8 elements of a row, padded with −inf.
+ZTRAIN_AVX2 inline __m256 load_tail(const float* l, int64_t n) {
+  float padded[8];
+  std::fill(padded, padded + 8, kMinusInf);
+  std::memcpy(padded, l, n * sizeof(float));
+  return load8(padded);
+}
+
+ZTRAIN_AVX2 float row_lse_avx2(const float* l, int64_t v) {
+  const int64_t body = v / 8 * 8;
+  __m256 m0 = _mm256_set1_ps(kMinusInf), m1 = m0;
+  int64_t j = 0;
+  for (; j + 16 <= body; j += 16) {
+    m0 = _mm256_max_ps(m0, load8(l + j));
+    m1 = _mm256_max_ps(m1, load8(l + j + 8));
+  }
+  if (j < body) m0 = _mm256_max_ps(m0, load8(l + j));
+  if (body < v) m1 = _mm256_max_ps(m1, load_tail(l + body, v - body));
+  const float m = hmax(_mm256_max_ps(m0, m1));
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  for (j = 0; j + 16 <= body; j += 16) {
+    s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(load8(l + j), mv)));
+    s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(load8(l + j + 8), mv)));
+  }
+  if (j < body) s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(load8(l + j), mv)));
+  if (body < v) s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(load_tail(l + body, v - body), mv)));
+  return m + std::log(hsum(_mm256_add_ps(s0, s1)));
+}
+
+ZTRAIN_AVX2 void row_grad_avx2(const float* l, float lse, float scale, float* out, int64_t v) {
+  const __m256 lv = _mm256_set1_ps(lse), sv = _mm256_set1_ps(scale);
+  const int64_t body = v / 8 * 8;
+  for (int64_t j = 0; j < body; j += 8) store8(out + j, _mm256_mul_ps(exp8(_mm256_sub_ps(load8(l + j), lv)), sv));
+  if (body == v) return;
+  float result[8];
+  store8(result, _mm256_mul_ps(exp8(_mm256_sub_ps(load_tail(l + body, v - body), lv)), sv));
+  std::memcpy(out + body, result, (v - body) * sizeof(float));
+}
+
+// ---- the function ------------------------------------------------------------------------------
+
+int64_t rows_per_task(int64_t v) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(v, 1)); }
+
+struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+                               const torch::Tensor& target, int64_t ignore_index) {
+    const auto logits = input.contiguous();
+    const auto targets = target.contiguous();
+    const int64_t n = logits.size(0), v = logits.size(1);
+    const int64_t* t = targets.data_ptr<int64_t>();
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (t[i] == ignore_index) continue;
+      ZTRAIN_CHECK(t[i] >= 0 && t[i] < v, "cross_entropy: target ", t[i], " of row ", i, " is outside the ", v,
+                   " classes [0, ", v, ")");
+      ++count;
+    }
+    auto lse = torch::empty({n}, logits.options());
+    const float* l = logits.data_ptr<float>();
+    float* out = lse.data_ptr<float>();
+    const bool simd = detail::fused_simd();
+    at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) out[i] = simd ? row_lse_avx2(l + i * v, v) : row_lse_scalar(l + i * v, v);
+    });
+    double total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (t[i] != ignore_index) total += static_cast<double>(out[i]) - l[i * v + t[i]];
+    }
+    ctx->save_for_backward({input, target, lse});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["count"] = count;
+    return torch::tensor(static_cast<float>(total / static_cast<double>(count)), logits.options());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const auto count = static_cast<double>(ctx->saved_data["count"].toInt());
+    const auto& target = saved[1];
+    if (torch::GradMode::is_enabled()) {  // building a graph (create_graph): in libtorch's ops
+      const auto& logits = saved[0];
+      const auto valid = target.ne(ignore_index);
+      const auto one_hot = torch::zeros_like(logits).scatter_(1, target.masked_fill(~valid, 0).unsqueeze(1), 1.0);
+      const auto grad = (torch::softmax(logits, 1) - one_hot) * valid.unsqueeze(1) * grads[0] / count;
+      return {grad, {}, {}};
+    }
+    const auto logits = saved[0].contiguous();
+    const auto targets = target.contiguous();
+    const auto lse = saved[2];
+    const int64_t n = logits.size(0), v = logits.size(1);
+    const auto scale = static_cast<float>(grads[0].item<double>() / count);
+    auto grad = torch::empty_like(logits);
+    const float *l = logits.data_ptr<float>(), *row_lse = lse.data_ptr<float>();
+    const int64_t* t = targets.data_ptr<int64_t>();
+    float* out = grad.data_ptr<float>();
+    const bool simd = detail::fused_simd();
+    at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float* row = out + i * v;
+        if (t[i] == ignore_index) {
+          std::fill(row, row + v, 0.0f);
+          continue;
+        }
+        if (simd) {
+          row_grad_avx2(l + i * v, row_lse[i], scale, row, v);
+        } else {
+          row_grad_scalar(l + i * v, row_lse[i], scale, row, v);
+        }
+        row[t[i]] -= scale;
+      }
+    });
+    return {grad, {}, {}};
+  }
+};
+
+}  // namespace
+
+torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets, int64_t ignore_index) {
+  const bool fused = logits.device().is_cpu() && logits.layout() == torch::kStrided &&
+                     logits.scalar_type() == torch::kFloat && logits.dim() == 2 && targets.dim() == 1 &&
+                     targets.scalar_type() == torch::kLong && targets.device().is_cpu() && logits.size(1) > 0;
+  if (!fused) {
+    return torch::nn::functional::cross_entropy(
+        logits, targets, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
+  }
+  ZTRAIN_CHECK(targets.size(0) == logits.size(0), "cross_entropy: ", targets.size(0), " targets for ", logits.size(0),
+               " rows of logits");
+  return CrossEntropy::apply(logits, targets, ignore_index);
+}
+
+}  // namespace ztrain::models

@@ -1,0 +1,196 @@
+#include <ztrain/error.h>
+#include <ztrain/models/fused.h>
+
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+// How it works
+// ------------
+// Both passes compute s = σ(2u) = 1 / (1 + exp(−2u)) per element, with u as in the header, then
+//   forward:   y  = x · s
+//   backward:  dx = dy · (s + 2x · s · (1 − s) · du/dx)
+// The AVX2 kernel does 8 elements at a time, with simd.h's exp. Tails run through the same
+// vector code on a small buffer, so every element of a tensor gets the same bits wherever it lies
+// (a tensor-parallel slice equals the same features of the whole). The scalar kernel, for CPUs
+// without AVX2 and FMA, uses std::exp. bf16 elements widen to float exactly and the result rounds to nearest even, as c10::BFloat16
+// rounds.
+
+namespace ztrain::models {
+
+namespace detail {
+
+namespace {
+std::atomic<bool> g_simd{simd::avx2_supported()};
+}  // namespace
+
+bool fused_simd() { return g_simd.load(std::memory_order_relaxed); }
+
+void set_fused_simd(bool on) {
+  ZTRAIN_CHECK(!on || simd::avx2_supported(), "the fused kernels' AVX2 code needs a CPU with AVX2 and FMA");
+  g_simd.store(on);
+}
+
+}  // namespace detail
+
+namespace {
+
+constexpr float kBeta = 0.7978845608028654f;  // √(2/π)
+constexpr float kKappa = 0.044715f;
+constexpr int64_t kGrain = 16384;  // elements per task of at::parallel_for
+
+// ---- scalar ------------------------------------------------------------------------------------
+
+float to_float(float v) { return v; }
+float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+template <class T>
+T from_float(float v) {
+  return static_cast<T>(v);  // c10::BFloat16: round to nearest even
+}
+
+float sigma_2u(float x) { return 1.0f / (1.0f + std::exp(-2.0f * kBeta * (x + kKappa * x * x * x))); }
+
+template <class T>
+void forward_scalar(const T* x, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    y[i] = from_float<T>(v * sigma_2u(v));
+  }
+}
+
+template <class T>
+void backward_scalar(const T* dy, const T* x, T* dx, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]), s = sigma_2u(v);
+    const float du = kBeta * (1.0f + 3.0f * kKappa * v * v);
+    dx[i] = from_float<T>(to_float(dy[i]) * (s + 2.0f * v * s * (1.0f - s) * du));
+  }
+}
+
+// ---- AVX2 --------------------------------------------------------------------------------------
+
+using detail::simd::exp8;
+using detail::simd::load8;
+using detail::simd::store8;
+
+// σ(2u) of x.
+ZTRAIN_AVX2 inline __m256 sigma_2u8(__m256 x) {
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 minus_2u = _mm256_mul_ps(_mm256_set1_ps(-2.0f * kBeta), _mm256_fmadd_ps(x3, _mm256_set1_ps(kKappa), x));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(minus_2u)));
+}
+
+ZTRAIN_AVX2 inline __m256 forward8(__m256 x) { return _mm256_mul_ps(x, sigma_2u8(x)); }
+
+ZTRAIN_AVX2 inline __m256 backward8(__m256 dy, __m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f), s = sigma_2u8(x);
+  const __m256 du = _mm256_mul_ps(_mm256_set1_ps(kBeta),
+                                  _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(3.0f * kKappa), one));
+  const __m256 slope = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(x, x), _mm256_mul_ps(s, _mm256_sub_ps(one, s))), du);
+  return _mm256_mul_ps(dy, _mm256_add_ps(s, slope));
+}
+
+template <class T>
+ZTRAIN_AVX2 void forward_avx2(const T* x, T* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(y + i, forward8(load8(x + i)));
+  if (i == n) return;
+  T in[8] = {}, out[8];
+  std::memcpy(in, x + i, (n - i) * sizeof(T));
+  store8(out, forward8(load8(in)));
+  std::memcpy(y + i, out, (n - i) * sizeof(T));
+}
+
+template <class T>
+ZTRAIN_AVX2 void backward_avx2(const T* dy, const T* x, T* dx, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(dx + i, backward8(load8(dy + i), load8(x + i)));
+  if (i == n) return;
+  T g[8] = {}, in[8] = {}, out[8];
+  std::memcpy(g, dy + i, (n - i) * sizeof(T));
+  std::memcpy(in, x + i, (n - i) * sizeof(T));
+  store8(out, backward8(load8(g), load8(in)));
+  std::memcpy(dx + i, out, (n - i) * sizeof(T));
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+
+bool takes_fused_path(const torch::Tensor& x) {
+  return x.device().is_cpu() && x.layout() == torch::kStrided &&
+         (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16);
+}
+
+// fn(T{}) with T the element type of a tensor that takes the fused path.
+template <class Fn>
+void for_type(torch::ScalarType type, Fn&& fn) {
+  if (type == torch::kFloat) {
+    fn(float{});
+  } else {
+    fn(c10::BFloat16{});
+  }
+}
+
+torch::Tensor fused_forward(const torch::Tensor& input) {
+  const auto x = input.contiguous();
+  auto y = torch::empty_like(x);
+  const bool simd = detail::fused_simd();
+  for_type(x.scalar_type(), [&]<class T>(T) {
+    const T* px = x.data_ptr<T>();
+    T* py = y.data_ptr<T>();
+    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      if (simd) {
+        forward_avx2(px + begin, py + begin, end - begin);
+      } else {
+        forward_scalar(px + begin, py + begin, end - begin);
+      }
+    });
+  });
+  return y;
+}
+
+torch::Tensor fused_backward(const torch::Tensor& grad, const torch::Tensor& input) {
+  const auto x = input.contiguous(), dy = grad.contiguous().to(x.scalar_type());
+  auto dx = torch::empty_like(x);
+  const bool simd = detail::fused_simd();
+  for_type(x.scalar_type(), [&]<class T>(T) {
+    const T *px = x.data_ptr<T>(), *pg = dy.data_ptr<T>();
+    T* pdx = dx.data_ptr<T>();
+    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      if (simd) {
+        backward_avx2(pg + begin, px + begin, pdx + begin, end - begin);
+      } else {
+        backward_scalar(pg + begin, px + begin, pdx + begin, end - begin);
+      }
+    });
+  });
+  return dx;
+}
+
+struct GeluTanh : torch::autograd::Function<GeluTanh> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x) {
+    ctx->save_for_backward({x});
+    return fused_forward(x);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto x = ctx->get_saved_variables()[0];
+    // A graph is being built (create_graph): libtorch's backward, which is itself differentiable.
+    if (torch::GradMode::is_enabled()) return {at::gelu_backward(grads[0], x, "tanh")};
+    return {fused_backward(grads[0], x)};
+  }
+};
+
+}  // namespace
+
+torch::Tensor gelu_tanh(const torch::Tensor& x) {
+  if (!takes_fused_path(x)) return torch::gelu(x, "tanh");
+  return GeluTanh::apply(x);
+}
+
+}  // namespace ztrain::models

@@ -1,0 +1,66 @@
+#pragma once
+// AVX2 pieces shared by the fused kernels of this area (gelu.cpp, cross_entropy.cpp): loads and
+// stores of 8 float or bf16 elements as floats, and exp. Each function carries its instruction set
+// in a target attribute (the library is built for baseline x86-64); callers run them only where
+// models::detail::fused_simd() says so. Internal to ztrain.
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cmath>
+
+
+#define ZTRAIN_AVX2 __attribute__((target("avx2,fma")))
+
+namespace ztrain::models::detail::simd {
+
+/// Whether this CPU runs the AVX2 + FMA code below.
+inline bool avx2_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+ZTRAIN_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+/// bf16 widens to float exactly.
+ZTRAIN_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+ZTRAIN_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+/// Rounds to nearest even, as c10::BFloat16 does (NaN becomes the quiet NaN 0x7FC0).
+ZTRAIN_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // packus packs within each 128-bit half; the permutation puts the halves' low quarters first.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+/// e^z, within 2 ulps of std::exp where the result is a normal float (|z| ≤ 87): Cody–Waite
+/// range reduction (z = n·ln 2 + r, |r| ≤ ln 2 / 2), Cephes' degree-6 polynomial for e^r, scaled
+/// by 2^n through the exponent bits. Below −87 it is 0, above 87 infinity (−inf and +inf alike);
+/// NaN stays NaN.
+ZTRAIN_AVX2 inline __m256 exp8(__m256 z) {
+  const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(87.0f);
+  const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, z));  // NaN passes through
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+  e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(z, lo, _CMP_LT_OQ));
+  return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(z, hi, _CMP_GT_OQ));
+}
+
+}  // namespace ztrain::models::detail::simd
