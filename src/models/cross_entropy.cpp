@@ -4,6 +4,7 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -106,6 +107,7 @@ int64_t rows_per_task(int64_t v) { return std::max<int64_t>(1, 65536 / std::max<
 struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& target, int64_t ignore_index) {
+    RECORD_FUNCTION("ztrain::cross_entropy", std::vector<c10::IValue>({input, target}));
     const auto logits = input.contiguous();
     const auto targets = target.contiguous();
     const int64_t n = logits.size(0), v = logits.size(1);
@@ -147,6 +149,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
       const auto grad = (torch::softmax(logits, 1) - one_hot) * valid.unsqueeze(1) * grads[0] / count;
       return {grad, {}, {}};
     }
+    RECORD_FUNCTION("ztrain::cross_entropy_backward", std::vector<c10::IValue>({saved[0], target}));
     const auto logits = saved[0].contiguous();
     const auto targets = target.contiguous();
     const auto lse = saved[2];

@@ -4,6 +4,7 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <atomic>
 #include <cmath>
@@ -136,6 +137,7 @@ void for_type(torch::ScalarType type, Fn&& fn) {
 }
 
 torch::Tensor fused_forward(const torch::Tensor& input) {
+  RECORD_FUNCTION("ztrain::gelu_tanh", std::vector<c10::IValue>({input}));
   const auto x = input.contiguous();
   auto y = torch::empty_like(x);
   const bool simd = detail::fused_simd();
@@ -154,6 +156,7 @@ torch::Tensor fused_forward(const torch::Tensor& input) {
 }
 
 torch::Tensor fused_backward(const torch::Tensor& grad, const torch::Tensor& input) {
+  RECORD_FUNCTION("ztrain::gelu_tanh_backward", std::vector<c10::IValue>({grad, input}));
   const auto x = input.contiguous(), dy = grad.contiguous().to(x.scalar_type());
   auto dx = torch::empty_like(x);
   const bool simd = detail::fused_simd();

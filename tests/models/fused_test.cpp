@@ -42,7 +42,7 @@ template <class Fn>
 void in_every_kernel(Fn&& fn) {
   const bool before = models::detail::fused_simd();
   for (bool simd : {false, true}) {
-    if (simd && !__builtin_cpu_supports("avx2")) continue;
+    if (simd && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) continue;
     SCOPED_TRACE(simd ? "avx2" : "scalar");
     models::detail::set_fused_simd(simd);
     fn();
