@@ -7,8 +7,8 @@ Each FILE is one round of the run (gpt2_peers.roundR.jsonl): one line per run of
 (gpt_bench's and peer_torch.py's). Each configuration is judged by its fastest round, the one
 least disturbed by the host's other load, and every round's median step is shown beside it. The
 Markdown replaces what lies between <!-- gpt2_peers:begin --> and <!-- gpt2_peers:end --> in the
-page (without --doc it is printed). Every figure comes from those files; the goals of the performance
-issue are checked here, each marked met or missed.
+page (without --doc it is printed). Every figure comes from those files; the goals of the
+performance issue are checked here, each marked met or missed.
 """
 import argparse
 import json

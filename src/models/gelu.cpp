@@ -18,13 +18,14 @@
 // The AVX2 kernel does 8 elements at a time, with simd.h's exp. Tails run through the same
 // vector code on a small buffer, so every element of a tensor gets the same bits wherever it lies
 // (a tensor-parallel slice equals the same features of the whole). The scalar kernel, for CPUs
-// without AVX2 and FMA, uses std::exp. bf16 elements widen to float exactly and the result rounds to nearest even, as c10::BFloat16
-// rounds.
+// without AVX2 and FMA, uses std::exp. bf16 elements widen to float exactly and the result rounds
+// to nearest even, as c10::BFloat16 rounds.
 
 namespace ztrain::models {
 
 namespace detail {
 
+// Which code the fused kernels run, this file's and cross_entropy.cpp's.
 namespace {
 std::atomic<bool> g_simd{simd::avx2_supported()};
 }  // namespace

@@ -145,6 +145,29 @@ class GeneratorStateGuard {
   std::vector<at::Generator> gens_;
   std::vector<torch::Tensor> saved_;
 };
+
+/// The gradients a backward left on group g's parameters, in a fresh flat buffer of the group's
+/// layout, and the parameters' gradients undefined again. What no gradient reached (a parameter
+/// the forward did not use, the alignment gaps, the padding) is zero.
+torch::Tensor take_gradients(ShardGroup& g, c10::Device device, bool host_shared) {
+  auto flat = flat_buffer(g.layout.total_numel(), g.full.scalar_type(), device, host_shared);
+  int64_t end = 0;  // of the last entry: the entries are in offset order
+  for (size_t e = 0; e < g.params.size(); ++e) {
+    const auto& entry = g.layout.entries()[e];
+    if (entry.offset > end) flat.narrow(0, end, entry.offset - end).zero_();
+    auto place = flat.narrow(0, entry.offset, entry.numel);
+    auto& grad = g.params[e].mutable_grad();
+    if (grad.defined()) {
+      place.view(entry.shape).copy_(grad);
+    } else {
+      place.zero_();
+    }
+    grad.reset();
+    end = entry.offset + entry.numel;
+  }
+  if (end < flat.numel()) flat.narrow(0, end, flat.numel() - end).zero_();
+  return flat;
+}
 }  // namespace
 }  // namespace detail
 
@@ -522,35 +545,32 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
       root_grads.push_back(grads[i]);
     }
   }
-  std::vector<torch::Tensor> targets, flat_grads;
+  // The parameters' gradients start undefined, so that autograd hands over each one as the
+  // backward made it (or the sum, for a parameter used more than once); each is then copied to
+  // its place in a fresh flat buffer. Accumulating into a zeroed buffer instead costs a pass of
+  // zeros and a read-add-write pass over the whole buffer.
+  std::vector<torch::Tensor> targets;
   for (auto& g : groups_) {
     if (!g.requires_grad) continue;
-    flat_grads.push_back(
-        detail::flat_buffer(g.layout.total_numel(), g.full.scalar_type(), context_->device(),
-                            context_->host_shared_buffers())
-            .zero_());
-    for (size_t e = 0; e < g.params.size(); ++e) {
-      const auto& entry = g.layout.entries()[e];
-      g.params[e].mutable_grad() = flat_grads.back().narrow(0, entry.offset, entry.numel).view(entry.shape);
-      targets.push_back(g.params[e]);
+    for (auto& p : g.params) {
+      p.mutable_grad().reset();
+      targets.push_back(p);
     }
   }
   for (size_t i : call.edge_inputs) targets.push_back(leaves[i]);
   if (!roots.empty()) {
     torch::autograd::backward(roots, root_grads, /*retain_graph=*/false, /*create_graph=*/false, targets);
   }
-  for (auto& g : groups_) {
-    for (auto& p : g.params) p.mutable_grad().reset();
-  }
-
-  size_t next = 0;
+  bool reduced = false;
   for (size_t g = 0; g < groups_.size(); ++g) {
-    if (groups_[g].requires_grad) reduce_gradient(g, flat_grads[next++]);
+    if (!groups_[g].requires_grad) continue;
+    reduce_gradient(g, detail::take_gradients(groups_[g], context_->device(), context_->host_shared_buffers()));
+    reduced = true;
   }
   // An optimizer may now update the shards without a trace in their version counters
   // (torch::optim writes through .data()), so level 1 refreshes the full buffer next time.
   // Held gradients reach no shard: nothing can step on them.
-  if (!flat_grads.empty() && gradient_sync_) stale_ = true;
+  if (reduced && gradient_sync_) stale_ = true;
   release();
 
   std::vector<torch::Tensor> input_grads;

@@ -120,6 +120,43 @@ TEST_P(BlockScenario, FrozenParametersGetNoGradientAndNoUpdate) {
   EXPECT_FALSE(layer->ln1->weight.grad().defined());
 }
 
+/// One layer the forward uses and one it does not.
+struct HalfUsedImpl : torch::nn::Module {
+  explicit HalfUsedImpl(int64_t d) : used(d, d), unused(d, d) {
+    register_module("used", used);
+    register_module("unused", unused);
+  }
+  torch::Tensor forward(torch::Tensor x) { return used(x); }
+  torch::nn::Linear used, unused;
+};
+TORCH_MODULE(HalfUsed);
+
+TEST_P(BlockScenario, WhatNoGradientReachedIsZero) {
+  const int level = GetParam();
+  auto& dp = runtime().dp();
+  torch::manual_seed(3);
+  Block<HalfUsed> block(HalfUsed(6), {.zero_level = level, .use_checkpoint = level == 2});
+  for (int step = 0; step < 3; ++step) {  // fresh gradient buffers on reused memory
+    for (const auto& g : block->groups()) g.shard.mutable_grad().reset();
+    block(torch::randn({3, 6})).pow(2).sum().backward();
+    const auto grads = sharded_grads(*block);
+    EXPECT_TRUE(torch::equal(grads.at("unused.weight"), torch::zeros({6, 6})));
+    EXPECT_TRUE(torch::equal(grads.at("unused.bias"), torch::zeros({6})));
+    EXPECT_GT(grads.at("used.weight").abs().sum().item<double>(), 0.0);
+    // The alignment gaps and the padding of the flat gradients too.
+    for (const auto& g : block->groups()) {
+      auto full = g.shard.grad();
+      if (level > 0) {
+        full = torch::empty({g.layout.total_numel()}, g.shard.options());
+        dp.all_gather(g.shard.grad(), full);
+      }
+      auto rest = full.clone();
+      for (const auto& e : g.layout.entries()) rest.narrow(0, e.offset, e.numel).zero_();
+      EXPECT_TRUE(rest.eq(0).all().item<bool>()) << "step " << step;
+    }
+  }
+}
+
 TEST_P(BlockScenario, TwoBackwardsWithoutZeroGradGiveTwiceTheGradient) {
   const int level = GetParam();
   torch::manual_seed(3);
