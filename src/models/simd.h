@@ -9,7 +9,6 @@
 
 #include <cmath>
 
-
 #define ZTRAIN_AVX2 __attribute__((target("avx2,fma")))
 
 namespace ztrain::models::detail::simd {
