@@ -1,4 +1,3 @@
-#include <ztrain/error.h>
 #include <ztrain/models/fused.h>
 
 #include "simd.h"
@@ -6,7 +5,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -22,22 +20,6 @@
 // to nearest even, as c10::BFloat16 rounds.
 
 namespace ztrain::models {
-
-namespace detail {
-
-// Which code the fused kernels run, this file's and cross_entropy.cpp's.
-namespace {
-std::atomic<bool> g_simd{simd::avx2_supported()};
-}  // namespace
-
-bool fused_simd() { return g_simd.load(std::memory_order_relaxed); }
-
-void set_fused_simd(bool on) {
-  ZTRAIN_CHECK(!on || simd::avx2_supported(), "the fused kernels' AVX2 code needs a CPU with AVX2 and FMA");
-  g_simd.store(on);
-}
-
-}  // namespace detail
 
 namespace {
 

@@ -4,6 +4,8 @@
 // in a target attribute (the library is built for baseline x86-64); callers run them only where
 // models::detail::fused_simd() says so. Internal to ztrain.
 
+#include "../bf16_avx2.h"
+
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
@@ -20,22 +22,14 @@ ZTRAIN_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 /// bf16 widens to float exactly.
 ZTRAIN_AVX2 inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return ztrain::detail::avx2_load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 
 ZTRAIN_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
-/// Rounds to nearest even, as c10::BFloat16 does (NaN becomes the quiet NaN 0x7FC0).
+/// Rounds to nearest even, as c10::BFloat16 does.
 ZTRAIN_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  // packus packs within each 128-bit half; the permutation puts the halves' low quarters first.
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  ztrain::detail::avx2_store_bf16(reinterpret_cast<uint16_t*>(p), v);
 }
 
 /// e^z, within 2 ulps of std::exp where the result is a normal float (|z| ≤ 87): Cody–Waite

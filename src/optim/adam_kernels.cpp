@@ -7,6 +7,7 @@
 #endif
 
 #include "adam_kernels.h"
+#include "../bf16_avx2.h"
 
 #include <ztrain/error.h>
 
@@ -238,27 +239,17 @@ struct Tail {
 template <WeightType T>
 ZTRAIN_AVX2 inline __m256 avx2_load_grad(const void* g) {
   if constexpr (T == WeightType::kFloat) return _mm256_loadu_ps(static_cast<const float*>(g));
-  const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(g));
-  if constexpr (T == WeightType::kBFloat16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  return _mm256_cvtph_ps(h);
+  if constexpr (T == WeightType::kBFloat16) return ztrain::detail::avx2_load_bf16(static_cast<const uint16_t*>(g));
+  return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(g)));
 }
 
 template <WeightType T>
 ZTRAIN_AVX2 inline void avx2_store_param16(uint16_t* p, __m256 w) {
-  __m128i h;
   if constexpr (T == WeightType::kBFloat16) {
-    const __m256i b = _mm256_castps_si256(w);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(w, w, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    // packus interleaves the 128-bit lanes: [r0..3 r0..3 | r4..7 r4..7]; gather qwords 0 and 2.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), _MM_SHUFFLE(3, 1, 2, 0));
-    h = _mm256_castsi256_si128(packed);
+    ztrain::detail::avx2_store_bf16(p, w);
   } else {
-    h = _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
 
 struct Avx2Scalars {
