@@ -286,27 +286,39 @@ struct Validation {
   double loss = 0, loss_per_byte = 0;
 };
 
-/// Validation loss over the first `max_batches` validation batches; every rank evaluates the same
-/// batches (forwards are collective). `loss` is the model's mean loss of one batch;
-/// `byte_lengths` is the tokenizer's.
+/// Validation loss over the first `max_batches` validation batches, shared out over the
+/// data-parallel ranks (batch i to dp rank i mod dp size) and summed over them. Forwards are
+/// collective (ZeRO gathers, tensor- and pipeline-parallel exchanges), so every rank runs as many: a
+/// rank short of one repeats its first batch and leaves it out. `loss` is the model's mean loss of
+/// one batch; `byte_lengths` is the tokenizer's.
 Validation evaluate(torch::nn::Module& model, const std::function<torch::Tensor(const torch::Tensor&)>& loss,
                     const Corpus& corpus, const std::vector<int64_t>& byte_lengths, int64_t seq, int64_t batch,
                     int64_t max_batches) {
   torch::NoGradGuard no_grad;
   model.eval();
-  double nats = 0;
-  int64_t tokens = 0, bytes = 0;
-  for (const auto& b : zt::gpt_app::validation_batches(corpus, seq, batch, max_batches)) {
+  auto& dp = zt::runtime().dp();
+  const auto batches = zt::gpt_app::validation_batches(corpus, seq, batch, max_batches);
+  const auto n = static_cast<int64_t>(batches.size());
+  double nats = 0, tokens = 0, bytes = 0;
+  for (int64_t first = 0; first < n; first += dp.size()) {
+    const int64_t i = first + dp.rank();
+    const auto& b = batches[i < n ? i : 0];
+    const double mean = loss(b.to(zt::runtime().device())).item<double>();
+    if (i >= n) continue;
     const int64_t targets = b.size(0) * (b.size(1) - 1);
-    nats += loss(b.to(zt::runtime().device())).item<double>() * static_cast<double>(targets);
-    tokens += targets;
+    nats += mean * static_cast<double>(targets);
+    tokens += static_cast<double>(targets);
     const auto* ids = b.data_ptr<int64_t>();
     for (int64_t r = 0; r < b.size(0); ++r) {
-      for (int64_t t = 1; t < b.size(1); ++t) bytes += byte_lengths.at(ids[r * b.size(1) + t]);
+      for (int64_t t = 1; t < b.size(1); ++t) bytes += static_cast<double>(byte_lengths.at(ids[r * b.size(1) + t]));
     }
   }
+  auto sums = torch::tensor({nats, tokens, bytes}, torch::kFloat64).to(zt::runtime().device());
+  dp.all_reduce(sums);
+  sums = sums.cpu();
+  const auto* s = sums.data_ptr<double>();
   model.train();
-  return {nats / static_cast<double>(std::max<int64_t>(tokens, 1)), nats / static_cast<double>(std::max<int64_t>(bytes, 1))};
+  return {s[0] / std::max(s[1], 1.0), s[0] / std::max(s[2], 1.0)};
 }
 
 /// What train runs: Gpt on the ZeRO engine, or PlainGpt under a Booster plugin (its pipeline

@@ -28,6 +28,18 @@ awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }' || fail "loss did
   | grep -q '^val_loss=' || fail "eval printed no val_loss"
 "$gpt" eval --model "$work/run/checkpoints/step-00000030" --data "$work/corpus.txt" --seq 32 --eval-batches 2 \
   | grep -q '^val_loss=' || fail "eval of a checkpoint printed no val_loss"
+# Validation is shared out over the data-parallel ranks and summed: the 2-rank run's loss at step 20
+# is the 1-rank eval of that step's checkpoint, and an odd batch count on 2 ranks (one repeats a
+# batch and leaves it out) gives the 1-rank loss.
+val_of() { sed -n 's/^val_loss=\([0-9.]*\) .*/\1/p'; }
+close() { awk -v a="$1" -v b="$2" 'BEGIN { d = a - b; exit !(a > 0 && d < 1e-5 * a && -d < 1e-5 * a) }'; }
+ckpt20=(--model "$work/run/checkpoints/step-00000020" --data "$work/corpus.txt" --seq 32 --batch 4)
+trained=$(grep '"step":20,' "$work/run/metrics.jsonl" | sed 's/.*"val_loss":\([0-9.]*\).*/\1/')
+alone=$("$gpt" eval "${ckpt20[@]}" --eval-batches 2 | val_of)
+close "$trained" "$alone" || fail "validation on 2 ranks ($trained) differs from the 1-rank eval ($alone)"
+alone=$("$gpt" eval "${ckpt20[@]}" --eval-batches 3 | val_of)
+shared=$("${mp[@]}" -np 2 "$gpt" eval "${ckpt20[@]}" --eval-batches 3 | val_of)
+close "$shared" "$alone" || fail "3 validation batches on 2 ranks ($shared) differ from 1 rank ($alone)"
 head -c 3000 "$corpus" > "$work/score.txt"
 score=$("$gpt" score --model "$work/run/model.safetensors" --input "$work/score.txt")
 [[ $score =~ ^loss=([0-9.]+)\ loss_per_byte=([0-9.]+)\ tokens=3000$ ]] || fail "score printed '$score'"
