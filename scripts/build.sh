@@ -11,7 +11,12 @@ generator=()
 python=()
 py=${ZTRAIN_PYTHON:-${ZTRAIN_VENV:+$ZTRAIN_VENV/bin/python}}
 [[ -z $py ]] || python=(-DZTRAIN_PYTHON="$py")
-cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${python[@]}" "$@"
+# A configured tree is configured again when asked to (arguments, a Python) or when the project's
+# environment was installed since; the build itself re-runs CMake when a CMake file changed.
+stamp=${ZTRAIN_VENV:-$root/.venv}/.ztrain-packages
+if [[ ! -f $build/CMakeCache.txt || $# -gt 0 || -n $py || $stamp -nt $build/CMakeCache.txt ]]; then
+  cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${python[@]}" "$@"
+fi
 targets=()
 [[ -z ${ZTRAIN_BUILD_TARGETS:-} ]] || targets=(--target $ZTRAIN_BUILD_TARGETS)
 cmake --build "$build" -j "$jobs" "${targets[@]}"

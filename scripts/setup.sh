@@ -68,7 +68,8 @@ fi
 
 venv=${ZTRAIN_VENV:-$root/.venv}
 py=$venv/bin/python
-installed_version() { "$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || true; }
+# The installed version from the package's metadata: importing torch to ask takes seconds.
+installed_version() { "$py" -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true; }
 # What the venv was made with: a venv made from another list is brought up to this one.
 stamp=$venv/.ztrain-packages
 wanted="torch==$torch_version ${python_packages[*]}"
@@ -92,7 +93,7 @@ if [[ $(installed_version) != "$torch_version"* || $(cat "$stamp" 2>/dev/null) !
     echo "setup: no CUDA 13 toolkit found; PyTorch brings its own CUDA libraries"
     "${pip[@]}" "torch==$torch_version"
   fi
-  [[ $(installed_version) == "$torch_version"* ]] || {
+  [[ $(installed_version) == "$torch_version"* ]] && has_torch "$py" || {
     echo "setup: PyTorch $torch_version in $venv does not import:" >&2
     "$py" -c 'import torch' >&2; exit 1; }
   echo "$wanted" > "$stamp"

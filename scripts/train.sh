@@ -7,7 +7,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/setup.sh"
-"$root/scripts/build.sh" >/dev/null
+ZTRAIN_BUILD_TARGETS=ztrain-gpt "$root/scripts/build.sh" >/dev/null  # the app and its libraries only
 build=${ZTRAIN_BUILD_DIR:-$root/build}
 ranks=${ZTRAIN_RANKS:-2}
 flags=(--bind-to none)
