@@ -194,7 +194,7 @@ class Batches {
 struct Args {
   std::string system = "ztrain";
   std::string preset = "small";
-  std::optional<int64_t> d_model, layers, heads, context;
+  std::optional<int64_t> d_model, layers, heads, context, vocab;
   std::optional<double> dropout;
   std::string dtype = "fp32";
   int level = 0;
@@ -234,6 +234,10 @@ int run(const Args& a) {
   if (a.layers) config.n_layer = *a.layers;
   if (a.heads) config.n_head = *a.heads;
   if (a.context) config.context = *a.context;
+  if (a.vocab) {
+    ZTRAIN_CHECK(*a.vocab >= 256, "--vocab must be at least 256 (the tokens are bytes), got ", *a.vocab);
+    config.vocab_size = *a.vocab;
+  }
   if (a.dropout) config.dropout = *a.dropout;
   config.dtype = a.dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
   config.fused_attention = a.attention == "fused";
@@ -441,6 +445,7 @@ int main(int argc, char** argv) try {
   app.add_option("--layers", a.layers, "override the preset's blocks");
   app.add_option("--heads", a.heads, "override the preset's heads");
   app.add_option("--context", a.context, "override the preset's context");
+  app.add_option("--vocab", a.vocab, "override the preset's vocabulary (the tokens stay bytes; at least 256)");
   app.add_option("--dropout", a.dropout, "override the preset's dropout (gpt2: 0.1, the others: 0)");
   app.add_option("--dtype", a.dtype, "fp32 or bf16 (fp32 masters)")->capture_default_str();
   app.add_option("--attention", a.attention, "fused (scaled_dot_product_attention) or eager")->capture_default_str();
