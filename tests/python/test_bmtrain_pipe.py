@@ -6,7 +6,8 @@ as BMTrain's pipeline takes it, trained with AdamOptimizer, clipping and OptimMa
 scale, equals the same model in plain single-process PyTorch on the whole batch step by step:
 losses, the gradient norm (each parameter counted once although the embeddings live on every
 stage) and every parameter, which the stages gather into one state dict; bmt.save writes it and
-bmt.load reads it back into the stages; return_hidden_states gives every layer's input for this
+bmt.load reads it back into the stages, persistent buffers of every stage's layers included;
+return_hidden_states gives every layer's input for this
 rank's part, and gradients flow back through them; send_activations and recv_activations carry
 tensors of any shape and dtype between stages."""
 import os
@@ -53,6 +54,25 @@ class Steps(bmt.DistributedModule):
     def __init__(self):
         super().__init__()
         self.layers = bmt.PipelineTransformerBlockList([Step() for _ in range(LAYERS)])
+
+
+class Shifted(bmt.DistributedModule):
+    """A layer with a persistent buffer, which state dicts carry, and a non-persistent one."""
+
+    def __init__(self, shift):
+        super().__init__()
+        self.lin = bmt.nn.Linear(DIM, DIM)
+        self.register_buffer("shift", torch.full((DIM,), float(shift)))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) + self.shift)
+
+
+class ShiftedSteps(bmt.DistributedModule):
+    def __init__(self, shifts):
+        super().__init__()
+        self.layers = bmt.PipelineTransformerBlockList([Shifted(s) for s in shifts])
 
 
 def part(x):
@@ -182,6 +202,19 @@ class Pipeline(unittest.TestCase):
         torch.testing.assert_close(hidden, torch.stack(inputs)[:, part(torch.arange(BATCH))].detach())
         # Through the pipeline, the hidden states' own gradients and every rank's part.
         torch.testing.assert_close(x.grad, part(ref_x.grad), rtol=1e-5, atol=1e-6)
+
+    def test_buffers_of_every_stage_are_saved_and_loaded(self):
+        net = ShiftedSteps(range(LAYERS))
+        bmt.init_parameters(net)
+        state = net.state_dict()  # every stage's, as the parameters
+        self.assertEqual(sorted(k for k in state if not k.endswith(("weight", "bias"))),
+                         sorted(f"layers.{i}.shift" for i in range(LAYERS)))
+        for i in range(LAYERS):
+            torch.testing.assert_close(state[f"layers.{i}.shift"], torch.full((DIM,), float(i)), atol=0, rtol=0)
+        fresh, _ = check_save_and_load(self, net, state, lambda: ShiftedSteps([-1] * LAYERS), "bmt_pipe_buffers")
+        x = part(torch.randn(BATCH, 3, DIM, generator=torch.Generator().manual_seed(5)))
+        with torch.no_grad():
+            torch.testing.assert_close(fresh.layers(x), net.layers(x), atol=0, rtol=0)
 
     def test_activations_travel_between_stages(self):
         if config["pipe_size"] == 1:

@@ -113,9 +113,12 @@ def _persistent_buffers(module, prefix):
             yield prefix + name, buffer
 
 
-def named_buffers(model):
-    """The persistent buffers of `model`, Blocks' modules included, by the plain model's names."""
+def named_buffers(model, stage_local_only=False):
+    """The persistent buffers of `model`, Blocks' modules included, by the plain model's names;
+    stage_local_only: those of this pipeline stage's blocks alone (no other stage holds them)."""
     for path, m in model.named_modules():
+        if stage_local_only and not getattr(m, "_pipeline_stage", False):
+            continue
         prefix = path + "." if path else ""
         yield from _persistent_buffers(m, prefix)
         if isinstance(m, _block.Block):
@@ -123,20 +126,36 @@ def named_buffers(model):
                 yield from _persistent_buffers(inner, prefix + (sub + "." if sub else ""))
 
 
+def _from_other_stages(local):
+    """The dicts the other pipeline stages pass as `local`, merged (collective over the pipeline
+    group; nothing with one stage)."""
+    size, stage = _pipeline.stages()
+    out = {}
+    if size > 1:
+        for index, part in enumerate(_pipeline.stage_objects(local)):
+            if index != stage:
+                out.update(part)
+    return out
+
+
 def model_state(model):
-    """Every parameter (full) and persistent buffer of `model` (collective)."""
+    """Every parameter (full) and persistent buffer of `model` (collective), every pipeline
+    stage's included."""
     from ..model_file import state_dict
     out = collections.OrderedDict(state_dict(model))
     for name, buffer in named_buffers(model):
         out[name] = buffer.detach().clone()
+    out.update(_from_other_stages({name: buffer.detach().clone()
+                                   for name, buffer in named_buffers(model, stage_local_only=True)}))
     return out
 
 
 def load_model_state(model, state, strict=True):
-    """Loads a dict of full tensors into `model` (every rank passes the same dict)."""
+    """Loads a dict of full tensors into `model` (every rank passes the same dict; collective)."""
     from ..model_file import load_state_dict
     buffers = dict(named_buffers(model))
-    params = {k: v for k, v in state.items() if k not in buffers}
+    elsewhere = _from_other_stages(dict.fromkeys(name for name, _ in named_buffers(model, stage_local_only=True)))
+    params = {k: v for k, v in state.items() if k not in buffers and k not in elsewhere}
     load_state_dict(model, params, strict)
     with torch.no_grad():
         for name, buffer in buffers.items():
