@@ -2,6 +2,7 @@
 
 #include "deadline.h"
 #include "mpi/startup.h"
+#include <ztrain_comm_backends.h>  // generated: ZTRAIN_HAS_NCCL
 #if ZTRAIN_HAS_NCCL
 #include "nccl/startup.h"
 #endif
