@@ -21,8 +21,8 @@ if (( ${#args[@]} == 0 )); then
   [[ -f $root/runs/gpt/tokenizer.json ]] ||
     "$gpt" tokenizer train --data "$root/data/tinyshakespeare.txt" --vocab-size 4096 --out "$root/runs/gpt/tokenizer.json"
   args=(train --data "$root/data/tinyshakespeare.txt" --tokenizer "$root/runs/gpt/tokenizer.json"
-        --preset small --seq 128 --batch 8 --steps 300 --lr 2e-3 --warmup 80
-        --zero-level 3 --eval-interval 100 --eval-batches 20 --ckpt-interval 100 --out "$root/runs/gpt" --resume
+        --preset small --d-model 192 --heads 3 --layers 3 --seq 128 --batch 8 --steps 380 --lr 3e-3 --warmup 80
+        --zero-level 3 --eval-interval 100 --eval-batches 20 --ckpt-interval 190 --out "$root/runs/gpt" --resume
         --tensorboard "$root/runs/gpt/tensorboard")
 fi
 mpirun -np "$ranks" "${flags[@]}" "$gpt" "${args[@]}"
