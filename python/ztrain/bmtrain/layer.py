@@ -145,8 +145,7 @@ def model_state(model):
     out = collections.OrderedDict(state_dict(model))
     for name, buffer in named_buffers(model):
         out[name] = buffer.detach().clone()
-    out.update(_from_other_stages({name: buffer.detach().clone()
-                                   for name, buffer in named_buffers(model, stage_local_only=True)}))
+    out.update(_from_other_stages({name: out[name] for name, _ in named_buffers(model, stage_local_only=True)}))
     return out
 
 
