@@ -96,14 +96,15 @@ int64_t device_peak_bytes(c10::Device device) {
 }
 
 /// GFLOP/s of an [m, k] × [k, n] matmul in `dtype` on the runtime's device (on the CPU, this
-/// thread count): the best of a few repetitions (at least `min_s` seconds of them).
+/// thread count): the best of a few repetitions (at least `min_s` seconds of them; of one
+/// repetition when that alone takes a second).
 double matmul_gflops(int64_t m, int64_t k, int64_t n, c10::ScalarType dtype, double min_s = 0.15) {
   const auto device = zt::runtime().device();
   auto a = torch::randn({m, k}).to(device, dtype), b = torch::randn({k, n}).to(device, dtype);
   torch::mm(a, b);  // warm-up (and oneDNN's kernel generation)
   synchronize(device);
   double best = 0, total = 0;
-  for (int rep = 0; rep < 50 && (rep < 3 || total < min_s); ++rep) {
+  for (int rep = 0; rep < 50 && (total < min_s || (rep < 3 && total < 1.0)); ++rep) {
     const auto t0 = Clock::now();
     auto c = torch::mm(a, b);
     synchronize(device);
@@ -115,13 +116,17 @@ double matmul_gflops(int64_t m, int64_t k, int64_t n, c10::ScalarType dtype, dou
 }
 
 /// The matmul peak of this rank in the run's dtype (all ranks measure at once, as they train): the
-/// best square size, and the model's largest matmul shape (tokens × d → 4d). Only the run's dtype:
-/// on a CPU without bf16 units a bf16 probe alone would take minutes.
+/// best square size, and the model's largest matmul shape (tokens × d → 4d). Only the run's dtype,
+/// and no larger square once one took over a second (8× the work each time): on a CPU without
+/// bf16 units, where libtorch's bf16 matmuls ran at about 1.4 GFLOP/s, all three took ten minutes.
 json matmul_probe(zt::Communicator& world, int64_t tokens, int64_t d, c10::ScalarType dtype) {
   double square = 0;
   for (int64_t n : {512, 1024, 2048}) {
     world.barrier();
-    square = std::max(square, matmul_gflops(n, n, n, dtype));
+    const double gflops = matmul_gflops(n, n, n, dtype);
+    square = std::max(square, gflops);
+    const bool slow = 2.0 * n * n * n / (gflops * 1e9) > 1.0;
+    if (world.all_reduce_scalar(slow ? 1.0 : 0.0, zt::ReduceOp::kMax) > 0) break;  // every rank alike
   }
   world.barrier();
   const double shaped = matmul_gflops(tokens, d, 4 * d, dtype);

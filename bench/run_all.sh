@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs] [--all]
+# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs] [--dtypes LIST] [--all]
 #
 # Regenerates the section "Against peers and limits" of docs/benchmarks.md (between the markers
 # <!-- run_all:begin --> and <!-- run_all:end -->) and its plots docs/img/bench_*.png: GPT
-# throughput of ztrain (ZeRO levels 0-3, fp32 and bf16) beside PyTorch's DDP, DDP with
+# throughput of ztrain (ZeRO levels 0-3, fp32 and, where the CPU has bf16 units, bf16) beside PyTorch's DDP, DDP with
 # ZeroRedundancyOptimizer and FSDP2 (fully_shard), and plain libtorch, model-state memory against
 # the ZeRO formulas, bytes sent against theory and model FLOP/s against the measured matmul peak
 # (growth with model size up to the largest that fits: bench/growth.sh). All of it in one session
@@ -15,6 +15,10 @@
 #                   in a few minutes; the page is not written unless --docs is also given
 #   --docs          write the page even with --quick
 #   --no-docs       measure only (the page can be written later with bench/report.py)
+#   --dtypes LIST   the dtypes measured (default "fp32 bf16" on a CPU with AVX-512 BF16 or AMX,
+#                   "fp32" on one without: there libtorch's bf16 matmuls fall back to a path many
+#                   times slower than fp32's, 1.4 against 35 GFLOP/s on an AVX2 EPYC, and bf16
+#                   would measure that fallback instead of the engine)
 #   --all           then the other generated sections, each with its goals marked met or missed:
 #                   the GPT-2 124M comparison with DDP and FSDP2 (bench/gpt2_peers.sh, fp32 and,
 #                   where the CPU has bf16 units, bf16), growth with model size
@@ -22,7 +26,8 @@
 #                   two need root (memory cgroups). Over an hour and a half on the development
 #                   machine.
 #
-# Takes under 6 minutes on the 2-core development machine when it is otherwise idle.
+# Takes under 6 minutes on the 2-core development machine when it is otherwise idle (with bf16
+# units; fp32 alone on a slower CPU without them: about 5 minutes).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -31,6 +36,8 @@ results=
 quick=0
 docs=auto
 all=0
+dtypes=fp32
+grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo && dtypes="fp32 bf16"
 while (($#)); do
   case $1 in
     --build) build=$(realpath -m "$2"); shift 2 ;;
@@ -38,11 +45,13 @@ while (($#)); do
     --quick) quick=1; shift ;;
     --docs) docs=yes; shift ;;
     --no-docs) docs=no; shift ;;
+    --dtypes) dtypes=$2; shift 2 ;;
     --all) all=1; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "run_all: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+for dtype in $dtypes; do [[ $dtype == fp32 || $dtype == bf16 ]] || { echo "run_all: --dtypes takes fp32 and bf16, not '$dtype'" >&2; exit 2; }; done
 [[ $docs == auto ]] && { ((quick)) && docs=no || docs=yes; }
 ((all)) && [[ $(id -u) != 0 ]] && { echo "run_all: --all needs root (growth and beyond-memory run in memory cgroups)" >&2; exit 2; }
 results=${results:-$build/bench-results}
@@ -124,7 +133,7 @@ peer() {
 for size in "tiny --batch 8 --seq 64" "small --batch 8 --seq 128"; do
   read -r preset shape <<<"$size"
   for np in 1 2; do
-    for dtype in fp32 bf16; do
+    for dtype in $dtypes; do
       common=(--preset "$preset" $shape --dtype "$dtype" --steps "$steps" --warmup "$warmup")
       profile=()
       [[ $preset == small && $np == 1 ]] && profile=(--profile "$results/profile-$preset-$dtype-level0.json")
@@ -139,7 +148,7 @@ for size in "tiny --batch 8 --seq 64" "small --batch 8 --seq 128"; do
 done
 
 # ---- 2-3: memory and bytes sent at 4 ranks (4 ranks on 2 cores: not timed) -------------------
-for dtype in fp32 bf16; do
+for dtype in $dtypes; do
   for level in 0 1 2 3; do
     ztrain 4 memory --preset small --batch 8 --seq 128 --dtype "$dtype" --level "$level" --steps 2 --warmup 1
   done
@@ -152,11 +161,12 @@ commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 dirty=false
 [[ -n $(git -C "$root" status --porcelain 2>/dev/null) ]] && dirty=true
 "$python" - "$results/meta.json" <<EOF
-import json, platform, subprocess, sys, torch
-cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+import json, subprocess, sys, torch
+sys.path.insert(0, "$root/bench")
+from report import machine
 mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
 json.dump({"date": "$(date -u +%Y-%m-%d\ %H:%M\ UTC)", "commit": "$commit", "dirty": $([[ $dirty == true ]] && echo True || echo False),
-           "cpu": cpu, "cores": $(getconf _NPROCESSORS_ONLN), "busy_start": $busy_start, "busy_end": $busy_end,
+           "machine": machine(), "dtypes": "$dtypes".split(), "busy_start": $busy_start, "busy_end": $busy_end,
            "elapsed_s": $elapsed, "runs": $runs, "quick": bool($quick), "mpi": mpi, "torch_python": torch.__version__},
           open(sys.argv[1], "w"), indent=1)
 EOF
@@ -167,8 +177,6 @@ fi
 if ((all)); then
   section_docs=()
   [[ $docs == yes ]] && section_docs=(--docs)
-  dtypes=fp32
-  grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo && dtypes="fp32 bf16"
   "$root/bench/gpt2_peers.sh" "${section_docs[@]}" "$build" 4 2 "$dtypes"
   "$root/bench/growth.sh" --build "$build" "${section_docs[@]}"
   "$root/bench/beyond_memory.sh" --build "$build" "${section_docs[@]}"
