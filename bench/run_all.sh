@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs] [--dtypes LIST] [--all]
+# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs] [--dtypes LIST] [--rounds N] [--all]
 #
 # Regenerates the section "Against peers and limits" of docs/benchmarks.md (between the markers
 # <!-- run_all:begin --> and <!-- run_all:end -->) and its plots docs/img/bench_*.png: GPT
@@ -19,6 +19,9 @@
 #                   "fp32" on one without: there libtorch's bf16 matmuls fall back to a path many
 #                   times slower than fp32's, 1.4 against 35 GFLOP/s on an AVX2 EPYC, and bf16
 #                   would measure that fallback instead of the engine)
+#   --rounds N      run the timed comparison N times over, configuration by configuration, and
+#                   report each configuration's fastest round (default 1; on a host whose other
+#                   load comes and goes, 2 or 3)
 #   --all           then the other generated sections, each with its goals marked met or missed:
 #                   the GPT-2 124M comparison with DDP and FSDP2 (bench/gpt2_peers.sh, fp32 and,
 #                   where the CPU has bf16 units, bf16), growth with model size
@@ -27,7 +30,7 @@
 #                   machine.
 #
 # Takes under 6 minutes on the 2-core development machine when it is otherwise idle (with bf16
-# units; fp32 alone on a slower CPU without them: about 5 minutes).
+# units; fp32 alone on a slower CPU without them: about 7 minutes).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -36,6 +39,7 @@ results=
 quick=0
 docs=auto
 all=0
+rounds=1
 dtypes=fp32
 grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo && dtypes="fp32 bf16"
 while (($#)); do
@@ -46,12 +50,14 @@ while (($#)); do
     --docs) docs=yes; shift ;;
     --no-docs) docs=no; shift ;;
     --dtypes) dtypes=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
     --all) all=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "run_all: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 for dtype in $dtypes; do [[ $dtype == fp32 || $dtype == bf16 ]] || { echo "run_all: --dtypes takes fp32 and bf16, not '$dtype'" >&2; exit 2; }; done
+[[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "run_all: --rounds takes a positive count, not '$rounds'" >&2; exit 2; }
 [[ $docs == auto ]] && { ((quick)) && docs=no || docs=yes; }
 ((all)) && [[ $(id -u) != 0 ]] && { echo "run_all: --all needs root (growth and beyond-memory run in memory cgroups)" >&2; exit 2; }
 results=${results:-$build/bench-results}
@@ -130,19 +136,21 @@ peer() {
 
 # ---- 1-4: the two peer sizes at 1 and 2 ranks, every system side by side ---------------------
 # tiny: 2 x 64, 120 k parameters; small: 4 x 256, 3.3 M parameters. 512 / 1024 tokens per rank.
-for size in "tiny --batch 8 --seq 64" "small --batch 8 --seq 128"; do
-  read -r preset shape <<<"$size"
-  for np in 1 2; do
-    for dtype in $dtypes; do
-      common=(--preset "$preset" $shape --dtype "$dtype" --steps "$steps" --warmup "$warmup")
-      profile=()
-      [[ $preset == small && $np == 1 ]] && profile=(--profile "$results/profile-$preset-$dtype-level0.json")
-      ztrain "$np" peer "${common[@]}" --system plain --probe
-      ztrain "$np" peer "${common[@]}" --level 0 --probe "${profile[@]}"
-      for level in 1 2 3; do ztrain "$np" peer "${common[@]}" --level "$level"; done
-      peer "$np" peer "${common[@]}" --system ddp
-      peer "$np" peer "${common[@]}" --system ddp_zero
-      peer "$np" peer "${common[@]}" --system fsdp2
+for ((round = 1; round <= rounds; ++round)); do
+  for size in "tiny --batch 8 --seq 64" "small --batch 8 --seq 128"; do
+    read -r preset shape <<<"$size"
+    for np in 1 2; do
+      for dtype in $dtypes; do
+        common=(--preset "$preset" $shape --dtype "$dtype" --steps "$steps" --warmup "$warmup")
+        profile=()
+        [[ $preset == small && $np == 1 ]] && profile=(--profile "$results/profile-$preset-$dtype-level0.json")
+        ztrain "$np" peer "${common[@]}" --system plain --probe
+        ztrain "$np" peer "${common[@]}" --level 0 --probe "${profile[@]}"
+        for level in 1 2 3; do ztrain "$np" peer "${common[@]}" --level "$level"; done
+        peer "$np" peer "${common[@]}" --system ddp
+        peer "$np" peer "${common[@]}" --system ddp_zero
+        peer "$np" peer "${common[@]}" --system fsdp2
+      done
     done
   done
 done
@@ -166,7 +174,7 @@ sys.path.insert(0, "$root/bench")
 from report import machine
 mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
 json.dump({"date": "$(date -u +%Y-%m-%d\ %H:%M\ UTC)", "commit": "$commit", "dirty": $([[ $dirty == true ]] && echo True || echo False),
-           "machine": machine(), "dtypes": "$dtypes".split(), "busy_start": $busy_start, "busy_end": $busy_end,
+           "machine": machine(), "dtypes": "$dtypes".split(), "rounds": $rounds, "busy_start": $busy_start, "busy_end": $busy_end,
            "elapsed_s": $elapsed, "runs": $runs, "quick": bool($quick), "mpi": mpi, "torch_python": torch.__version__},
           open(sys.argv[1], "w"), indent=1)
 EOF
