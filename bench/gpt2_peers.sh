@@ -3,9 +3,9 @@
 #
 # GPT-2 124M (12 x 768, 12 heads, vocabulary 50257, no dropout) at sequence 256, batch 2 per rank, on RANKS
 # ranks (default 2) x 1 intra-op thread, side by side in one run: ztrain at ZeRO levels 0 and 3,
-# PyTorch DDP and FSDP2 (fully_shard) over gloo, in each of DTYPES (default "fp32 bf16"; bf16 only
-# where the CPU has bf16 units), taking turns configuration by configuration, ROUNDS times over
-# (default 2; each configuration is then judged by its fastest round, as a host's other load only
+# PyTorch DDP and FSDP2 (fully_shard) over gloo, in each of DTYPES (default "fp32 bf16" where the
+# CPU has bf16 units, AVX-512 BF16 or AMX, else "fp32"), taking turns configuration by
+# configuration, ROUNDS times over (default 2; each configuration is then judged by its fastest round, as a host's other load only
 # ever adds time, and every round's median step is shown beside it). ztrain's ranks
 # measure the matmul peak of the run's dtype in the same process (--probe) and report model FLOP/s
 # against it; ztrain on one rank with the same per-rank batch is the single-process step, measured
@@ -23,7 +23,8 @@ docs=0
 build=${1:-$root/build}
 steps=${2:-4}
 ranks=${3:-2}
-dtypes=${4:-fp32 bf16}
+dtypes=${4:-fp32}
+[[ -z ${4:-} ]] && grep -qwE "avx512_bf16|amx_bf16" /proc/cpuinfo && dtypes="fp32 bf16"  # bf16 units
 rounds=${5:-2}
 python=${ZTRAIN_PYTHON:-$root/.venv/bin/python}
 data=$root/data/tinyshakespeare.txt

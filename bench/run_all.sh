@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs] [--dtypes LIST] [--rounds N] [--all]
+# Usage: bench/run_all.sh [--build DIR] [--results DIR] [--quick] [--docs | --no-docs]
+#                         [--dtypes LIST] [--rounds N] [--all]
 #
 # Regenerates the section "Against peers and limits" of docs/benchmarks.md (between the markers
 # <!-- run_all:begin --> and <!-- run_all:end -->) and its plots docs/img/bench_*.png: GPT
-# throughput of ztrain (ZeRO levels 0-3, fp32 and, where the CPU has bf16 units, bf16) beside PyTorch's DDP, DDP with
-# ZeroRedundancyOptimizer and FSDP2 (fully_shard), and plain libtorch, model-state memory against
-# the ZeRO formulas, bytes sent against theory and model FLOP/s against the measured matmul peak
-# (growth with model size up to the largest that fits: bench/growth.sh). All of it in one session
-# on this machine, one intra-op thread per rank.
+# throughput of ztrain (ZeRO levels 0-3, fp32 and, where the CPU has bf16 units, bf16) beside
+# PyTorch's DDP, DDP with ZeroRedundancyOptimizer and FSDP2 (fully_shard), and plain libtorch,
+# model-state memory against the ZeRO formulas, bytes sent against theory and model FLOP/s against
+# the measured matmul peak (growth with model size up to the largest that fits: bench/growth.sh).
+# All of it in one session on this machine, one intra-op thread per rank.
 #
 #   --build DIR     ztrain's build directory (default build/; configured and built if needed)
 #   --results DIR   where the JSON lines, logs and profiles go (default build/bench-results)
@@ -52,7 +53,7 @@ while (($#)); do
     --dtypes) dtypes=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --all) all=1; shift ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "run_all: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
