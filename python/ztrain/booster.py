@@ -21,9 +21,9 @@ over the data-parallel group, as DDP does):
   ranks (ColossalAI's LowLevelZeroPlugin, ZeRO levels 1 and 2).
 - FullyShardPlugin(use_checkpoint=False): the parameters too, gathered per unit around its
   forward and backward, the next unit's gather overlapping this one's compute (ZeRO-3, FSDP).
-- HybridParallelPlugin(tp_size, tensor_parallel, zero_stage=0, pp_size=1): the Linear layers a
-  policy names split over the tensor-parallel ranks (ztrain.nn), the layer list cut over pipeline
-  stages, then any of the above over the data-parallel ranks.
+- HybridParallelPlugin(tp_size, tensor_parallel, zero_stage=0, pp_size=1): the Linear and
+  Embedding layers a policy names split over the tensor-parallel ranks (ztrain.nn), the layer
+  list cut over pipeline stages, then any of the above over the data-parallel ranks.
 
 Each plugin wraps the model's *units* — by default every module held in a torch.nn.ModuleList
 (the layer stacks of transformer models); `wrap` takes module classes instead (FSDP's
@@ -56,7 +56,7 @@ from .pipeline import PipelineBlockList, stages
 from .checkpoint import load_checkpoint, save_checkpoint
 from .model_file import load, load_optimizer, save, save_optimizer
 from .optim import AdamOffload, OptimManager, _NativeAdam
-from .parameter import all_reduce_gradients
+from .parameter import DistributedParameter, all_reduce_gradients
 
 
 class Plugin:
@@ -168,12 +168,21 @@ class HybridParallelPlugin(Plugin):
             adapt=lambda model, tp: [setattr(l.attn, "heads", l.attn.heads // tp) for l in model.layers])
 
     `tensor_parallel` maps module paths (`*` stands for one component of a name) to how the
-    torch.nn.Linear there splits: "column", "column_gathered" (its output joined on every rank)
-    or "row" (ztrain.nn's Megatron cut: a column layer followed by a row layer communicates once
-    each way). Every rule must match a Linear inside a unit; `adapt(model, tp_size)` then fixes
-    what the model's forward derives from the split sizes (heads per rank). The model's
-    parameters are first broadcast from rank 0, so every rank cuts the same full layers.
-    zero_stage 0-3 is the ZeRO level of the units over the dp group.
+    layer there splits: a torch.nn.Linear "column", "column_gathered" (its output joined on every
+    rank) or "row" (ztrain.nn's Megatron cut: a column layer followed by a row layer communicates
+    once each way), a torch.nn.Embedding "vocab" (ztrain.nn.VocabParallelEmbedding: its rows
+    split, every token's vector summed over the tp ranks). Every rule must match a layer;
+    `adapt(model, tp_size)` then fixes what the model's forward derives from the split sizes
+    (heads per rank). The model's parameters are first broadcast from rank 0, so every rank cuts
+    the same full layers. zero_stage 0-3 is the ZeRO level of the units over the dp group.
+
+    A layer outside the units (the embedding, the head) keeps its slices as
+    ztrain.DistributedParameters of zero_stage over the dp group, so that files hold full
+    tensors. A head tied to the embedding — a Linear sharing the Embedding's weight, as Hugging
+    Face's lm_head does — stays tied when both have rules that cut the weight's rows ("vocab" and
+    "column" or "column_gathered"): one slice, gathered once per forward, its gradient the sum of
+    both uses. "column" gives vocabulary-parallel logits for ztrain.nn.vocab_parallel_cross_entropy,
+    "column_gathered" all of them for torch's cross entropy.
 
     pp_size > 1 (with init_distributed(pp_size=...)) cuts the units — the modules of one
     ModuleList — over the pipeline stages: the list becomes a ztrain.PipelineBlockList of
@@ -185,7 +194,8 @@ class HybridParallelPlugin(Plugin):
     computes is its part's; or Booster.execute_pipeline takes one batch per pipeline
     (ColossalAI's way) and cuts it."""
 
-    _STYLES = ("column", "column_gathered", "row")
+    _STYLES = {"column": torch.nn.Linear, "column_gathered": torch.nn.Linear, "row": torch.nn.Linear,
+               "vocab": torch.nn.Embedding}
 
     def __init__(self, tp_size, tensor_parallel=None, zero_stage=0, pp_size=1, num_microbatches=None, adapt=None,
                  wrap=None, use_checkpoint=False, prefetch_depth=1):
@@ -223,31 +233,69 @@ class HybridParallelPlugin(Plugin):
             for name in matched:
                 if name in style_of:
                     raise _C.Error(f"HybridParallelPlugin: '{name}' matches the rules '{style_of[name][0]}' and '{rule}'")
-                if type(modules[name]) is not torch.nn.Linear:
+                kind = self._STYLES[style]
+                if type(modules[name]) is not kind:
                     raise _C.Error(f"HybridParallelPlugin: '{name}' (rule '{rule}') is a {type(modules[name]).__name__}; "
-                                   "the rules split torch.nn.Linear layers")
-                if not any(name.startswith(unit + ".") for unit in unit_names):
-                    raise _C.Error(f"HybridParallelPlugin: '{name}' (rule '{rule}') is outside every unit the plugin "
-                                   "wraps; tensor-parallel layers must be inside one")
+                                   f"the style '{style}' splits a torch.nn.{kind.__name__}")
                 style_of[name] = (rule, style)
+        inside = {name for name in style_of if any(name.startswith(unit + ".") for unit in unit_names)}
+        self._check_ties(model, style_of, inside)
         for p in model.parameters():  # every rank cuts the same full layers
             _C._broadcast(p.data, 0, "world")
+        slices = {}  # id(a parameter of a layer outside the units) -> the DistributedParameter of its slice
         for name, (_, style) in style_of.items():
-            linear = modules[name]
-            if style == "row":
-                layer = tp_nn.RowParallelLinear.from_linear(linear)
+            dense = modules[name]
+            if style == "vocab":
+                layer = tp_nn.VocabParallelEmbedding.from_embedding(dense)
+            elif style == "row":
+                layer = tp_nn.RowParallelLinear.from_linear(dense)
             else:
-                layer = tp_nn.ColumnParallelLinear.from_linear(linear, gather_output=style == "column_gathered")
+                layer = tp_nn.ColumnParallelLinear.from_linear(dense, gather_output=style == "column_gathered")
             parent, _, attribute = name.rpartition(".")
             setattr(modules[parent] if parent else model, attribute, layer)
             for kind in ("weight", "bias"):
-                if getattr(linear, kind) is not None:
-                    self.replaced[id(getattr(layer, kind))] = getattr(linear, kind)
+                old = getattr(dense, kind, None)
+                if old is None:
+                    continue
+                new = getattr(layer, kind)
+                if name not in inside and getattr(new, "tp_split_dim", None) is not None:
+                    if id(old) not in slices:  # a tied weight: the first of its layers makes it
+                        slices[id(old)] = DistributedParameter(new.detach(), new.requires_grad, self.zero_level,
+                                                               new.tp_split_dim)
+                    new = slices[id(old)]
+                    setattr(layer, kind, new)
+                self.replaced[id(new)] = old
         if self.adapt is not None:
             self.adapt(model, self.tp_size)
         if self.pp_size == 1:
             return self._wrap(model, units)
         return self._cut_into_stages(model, units)
+
+    def _check_ties(self, model, style_of, inside):
+        """A parameter of a layer a rule splits may be shared only with layers outside the units
+        whose rules cut it the same way (a head tied to the embedding)."""
+        def split(style, kind):  # the dimension a style cuts a parameter along: the rows but for "row"'s
+            return {("row", "weight"): 1, ("row", "bias"): None}.get((style, kind), 0)
+
+        users = {}  # id(parameter) -> the names it has in the model
+        for owner, m in model.named_modules(remove_duplicate=False):
+            for full, p in m.named_parameters(prefix=owner, recurse=False):
+                users.setdefault(id(p), []).append(full)
+        for name, (rule, style) in style_of.items():
+            for kind, p in model.get_submodule(name).named_parameters(recurse=False):
+                others = [u for u in users[id(p)] if u != f"{name}.{kind}"]
+                for other in others:
+                    owner, _, other_kind = other.rpartition(".")
+                    if owner not in style_of:
+                        raise _C.Error(f"HybridParallelPlugin: '{name}.{kind}' (rule '{rule}') is shared with "
+                                       f"'{other}', which no rule splits; a head tied to the embedding takes "
+                                       "'column' or 'column_gathered' with the embedding's 'vocab'")
+                    if split(style_of[owner][1], other_kind) != split(style, kind):
+                        raise _C.Error(f"HybridParallelPlugin: '{name}.{kind}' (rule '{rule}') is shared with "
+                                       f"'{other}' (rule '{style_of[owner][0]}'), which splits it another way")
+                if others and name in inside:
+                    raise _C.Error(f"HybridParallelPlugin: '{name}.{kind}' (rule '{rule}') is shared with "
+                                   f"'{others[0]}' inside a unit; tied layers must be outside the units")
 
     def _cut_into_stages(self, model, units):
         self._check_unshared(model, units)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C
+from .parameter import DistributedParameter
 
 
 def _tp():
@@ -86,6 +87,13 @@ class _GatherFromTp(torch.autograd.Function):
         return _own_last(grad)
 
 
+def _value(p):
+    """A layer's parameter as its forward uses it: the full slice of a DistributedParameter
+    (HybridParallelPlugin makes one of a tensor-parallel layer outside its units), gathered once
+    per forward however many layers share it."""
+    return p.gather() if isinstance(p, DistributedParameter) else p
+
+
 def _split(what, n, size):
     if n % size:
         raise _C.Error(f"{what} ({n}) does not divide by the {size} tensor-parallel ranks")
@@ -118,7 +126,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return cls(linear.in_features, linear.out_features, gather_output=gather_output, _dense=linear)
 
     def forward(self, x):
-        y = F.linear(_CopyToTp.apply(x), self.weight, self.bias)
+        y = F.linear(_CopyToTp.apply(x), _value(self.weight), _value(self.bias))
         return _GatherFromTp.apply(y) if self.gather_output else y
 
     def extra_repr(self):
@@ -146,8 +154,8 @@ class RowParallelLinear(torch.nn.Module):
         if x.shape[-1] != self.in_features_per_partition:
             raise _C.Error(f"RowParallelLinear: takes this rank's {self.in_features_per_partition} of "
                            f"{self.in_features} input features (a column layer's output), got {x.shape[-1]}")
-        y = _ReduceFromTp.apply(F.linear(x, self.weight))
-        return y + self.bias if self.bias is not None else y
+        y = _ReduceFromTp.apply(F.linear(x, _value(self.weight)))
+        return y + _value(self.bias) if self.bias is not None else y
 
     def extra_repr(self):
         return (f"in_features={self.in_features_per_partition} of {self.in_features}, "
@@ -173,17 +181,18 @@ class VocabParallelEmbedding(torch.nn.Module):
         return cls(embedding.num_embeddings, embedding.embedding_dim, _dense=embedding)
 
     def forward(self, ids):
+        weight = _value(self.weight)
         if _tp()[1] == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, weight)
         local = ids - self.vocab_start_index
         outside = (local < 0) | (local >= self.num_embeddings_per_partition)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0)
+        out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)
         return _ReduceFromTp.apply(out)
 
     def logits(self, x, gather_output=False):
         """x projected onto the table (a head tied to the embedding): this rank's vocabulary
         slice of the logits, or, gathered, all of them."""
-        y = F.linear(_CopyToTp.apply(x), self.weight)
+        y = F.linear(_CopyToTp.apply(x), _value(self.weight))
         return _GatherFromTp.apply(y) if gather_output else y
 
     def extra_repr(self):

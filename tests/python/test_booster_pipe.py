@@ -21,10 +21,17 @@ def part(ids):
     return ids[index * BATCH // count:(index + 1) * BATCH // count]
 
 
-def boosted(zero_stage, micro_batches=None):
-    model = TinyLM()
+def TiedHeadLM(seed=0):
+    """TinyLM with a head module tied to the embedding (Hugging Face's lm_head)."""
+    model = TinyLM(seed, tied=False)
+    model.head.weight = model.embed.weight
+    return model
+
+
+def boosted(zero_stage, micro_batches=None, make_model=TinyLM, policy=None):
+    model = make_model()
     plugin = HybridParallelPlugin(tp_size=1, pp_size=ztrain._C._group_size("pp"), zero_stage=zero_stage,
-                                  num_microbatches=micro_batches)
+                                  num_microbatches=micro_batches, tensor_parallel=policy)
     booster = Booster(plugin, max_grad_norm=CLIP)
     model, optimizer, *_ = booster.boost(model, ztrain.optim.AdamW(model.parameters(), lr=LR))
     return booster, model, optimizer
@@ -51,6 +58,25 @@ class PipelineStages(unittest.TestCase):
                 # The whole batch's gradient: the tied embedding and the norm, on both stages, count once.
                 torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-6)
                 check_params(self, model, want_params)
+
+    def test_embedding_and_tied_head_split_by_policy_on_every_stage(self):
+        want_losses, want_params, want_norms = reference(3, TiedHeadLM)
+        del want_params["head.weight"]  # the embedding's
+        booster, model, optimizer = boosted(3, make_model=TiedHeadLM,
+                                            policy={"embed": "vocab", "head": "column_gathered"})
+        self.assertIsInstance(model.embed.weight, ztrain.DistributedParameter)
+        self.assertIs(model.head.weight, model.embed.weight)
+        losses, norms = [], []
+        for step in range(3):
+            optimizer.zero_grad()
+            loss = model(part(batch(step)))
+            booster.backward(loss, optimizer)
+            self.assertTrue(optimizer.step())
+            losses.append(ztrain.sum_loss(loss).item())
+            norms.append(optimizer.last_grad_norm)
+        torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-6)  # the slice held by both stages once
+        check_params(self, model, want_params)
 
     def test_execute_pipeline_cuts_one_batch_per_pipeline(self):
         want_losses, want_params, _ = reference(3)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import ztrain
 from ztrain.booster import Booster, HybridParallelPlugin
 
-from test_booster import CLIP, LR, WIDTH, TinyLM, batch, check_params, reference, train
+from test_booster import CLIP, LR, VOCAB, WIDTH, TinyLM, batch, check_params, reference, train
 
 HEADS = 4
 
@@ -52,6 +52,17 @@ POLICY = {"layers.*.attn.q": "column", "layers.*.attn.k": "column", "layers.*.at
           "layers.*.attn.o": "row", "layers.*.fc1": "column", "layers.*.fc2": "row"}
 
 
+def TiedGPT(seed=0):
+    """TinyGPT with its head tied to the embedding as Hugging Face's lm_head is: a Linear sharing
+    the Embedding's weight."""
+    model = TinyGPT(seed)
+    model.head.weight = model.embed.weight
+    return model
+
+
+VOCAB_POLICY = {**POLICY, "embed": "vocab", "head": "column_gathered"}
+
+
 def fewer_heads(model, tp):
     for layer in model.layers:
         layer.attn.heads //= tp
@@ -60,8 +71,8 @@ def fewer_heads(model, tp):
 TP = 2 if int(os.environ.get("ZTRAIN_TEST_WORLD_SIZE", "1")) >= 2 else 1
 
 
-def boosted(zero_stage, policy=POLICY, adapt=fewer_heads):
-    model = TinyGPT()
+def boosted(zero_stage, policy=POLICY, adapt=fewer_heads, make_model=TinyGPT):
+    model = make_model()
     booster = Booster(HybridParallelPlugin(tp_size=TP, zero_stage=zero_stage, tensor_parallel=policy, adapt=adapt),
                       max_grad_norm=CLIP)
     model, optimizer, *_ = booster.boost(model, ztrain.optim.AdamW(model.parameters(), lr=LR))
@@ -105,8 +116,15 @@ class HybridParallel(unittest.TestCase):
             boosted(0, policy={"layers.*.mlp": "column"})
         with self.assertRaisesRegex(ztrain.Error, "'layers.0.ln1' \\(rule 'layers.\\*.ln1'\\) is a LayerNorm"):
             boosted(0, policy={"layers.*.ln1": "column"})
-        with self.assertRaisesRegex(ztrain.Error, "'head' \\(rule 'head'\\) is outside every unit"):
-            boosted(0, policy={"head": "column_gathered"})
+        with self.assertRaisesRegex(ztrain.Error, "'layers.0.fc1' \\(rule 'layers.\\*.fc1'\\) is a Linear; the style "
+                                    "'vocab' splits a torch.nn.Embedding"):
+            boosted(0, policy={"layers.*.fc1": "vocab"})
+        with self.assertRaisesRegex(ztrain.Error, "'embed.weight' \\(rule 'embed'\\) is shared with 'head.weight', "
+                                    "which no rule splits"):
+            boosted(0, policy={"embed": "vocab"}, make_model=TiedGPT)
+        with self.assertRaisesRegex(ztrain.Error, "'embed.weight' \\(rule 'embed'\\) is shared with 'head.weight' "
+                                    "\\(rule 'head'\\), which splits it another way"):
+            boosted(0, policy={"embed": "vocab", "head": "row"}, make_model=TiedGPT)
         with self.assertRaisesRegex(ztrain.Error, "the style must be one of column, column_gathered, row"):
             boosted(0, policy={"layers.*.fc1": "colum"})
         with self.assertRaisesRegex(ztrain.Error, "pp_size=2 but the runtime has 1 pipeline stages"):
@@ -117,6 +135,48 @@ class HybridParallel(unittest.TestCase):
             model = TinyGPT()
             Booster(HybridParallelPlugin(tp_size=3, tensor_parallel=POLICY)).boost(
                 model, ztrain.optim.AdamW(model.parameters()))
+
+
+class VocabParallelPolicy(unittest.TestCase):
+    """The embedding and the head outside the units split by the policy: slices kept as
+    DistributedParameters, a tied head and embedding one slice."""
+
+    def test_tied_embedding_and_head_equal_one_process(self):
+        want_losses, want_params, _ = reference(3, TiedGPT)
+        del want_params["head.weight"]  # the tied head's weight is the embedding's
+        for stage in (0, 1, 3):
+            with self.subTest(zero_stage=stage):
+                booster, model, optimizer = boosted(stage, VOCAB_POLICY, make_model=TiedGPT)
+                self.assertIsInstance(model.embed, ztrain.nn.VocabParallelEmbedding)
+                self.assertIsInstance(model.embed.weight, ztrain.DistributedParameter)
+                self.assertIs(model.head.weight, model.embed.weight)
+                self.assertEqual(tuple(model.embed.weight.full_shape), (VOCAB // TP, WIDTH))
+                losses = train(booster, model, optimizer, 3)
+                torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+                check_params(self, model, want_params)
+
+    def test_untied_head_equals_one_process_and_the_file_loads_without_tp(self):
+        want_losses, want_params, _ = reference(3, TinyGPT)
+        booster, model, optimizer = boosted(2, VOCAB_POLICY)
+        self.assertIsNot(model.head.weight, model.embed.weight)
+        torch.testing.assert_close(train(booster, model, optimizer, 3), want_losses, rtol=1e-5, atol=1e-6)
+        check_params(self, model, want_params)
+        path = os.path.join(tempfile.gettempdir(), f"ztrain_py_booster_vocab_{os.getppid()}.safetensors")
+        try:
+            booster.save_model(model, path)
+            booster2, model2, _ = boosted(3, VOCAB_POLICY)
+            booster2.load_model(model2, path)
+            plain = TinyGPT(seed=1)
+            ztrain.synchronize()
+            import safetensors.torch
+            plain.load_state_dict(safetensors.torch.load_file(path))
+            with torch.no_grad():
+                torch.testing.assert_close(plain(batch(5)), model(batch(5)), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(model2(batch(5)), model(batch(5)), rtol=1e-5, atol=1e-6)
+        finally:
+            ztrain.synchronize()
+            if ztrain.rank() == 0 and os.path.exists(path):
+                os.remove(path)
 
 
 class VocabParallel(unittest.TestCase):
