@@ -222,7 +222,7 @@ class HybridParallelPlugin(Plugin):
             raise _C.Error(f"HybridParallelPlugin: pp_size={self.pp_size} but the runtime has {_C._group_size('pp')} "
                            f"pipeline stages; call ztrain.init_distributed(pp_size={self.pp_size})")
         modules = dict(model.named_modules())
-        units = self._units(model)  # the same modules after the cut: their Linear layers change
+        units = self._units(model)  # before the cut: the layers the rules name are replaced below
         unit_names = [name for name, _, _, _ in units]
         style_of = {}  # module path -> (rule, style)
         for rule, style in self.tensor_parallel.items():
@@ -233,12 +233,12 @@ class HybridParallelPlugin(Plugin):
             for name in matched:
                 if name in style_of:
                     raise _C.Error(f"HybridParallelPlugin: '{name}' matches the rules '{style_of[name][0]}' and '{rule}'")
-                kind = self._STYLES[style]
-                if type(modules[name]) is not kind:
+                cls = self._STYLES[style]
+                if type(modules[name]) is not cls:
                     raise _C.Error(f"HybridParallelPlugin: '{name}' (rule '{rule}') is a {type(modules[name]).__name__}; "
-                                   f"the style '{style}' splits a torch.nn.{kind.__name__}")
+                                   f"the style '{style}' splits a torch.nn.{cls.__name__}")
                 style_of[name] = (rule, style)
-        inside = {name for name in style_of if any(name.startswith(unit + ".") for unit in unit_names)}
+        inside = {name for name in style_of if any(name == unit or name.startswith(unit + ".") for unit in unit_names)}
         self._check_ties(model, style_of, inside)
         for p in model.parameters():  # every rank cuts the same full layers
             _C._broadcast(p.data, 0, "world")
@@ -253,6 +253,7 @@ class HybridParallelPlugin(Plugin):
                 layer = tp_nn.ColumnParallelLinear.from_linear(dense, gather_output=style == "column_gathered")
             parent, _, attribute = name.rpartition(".")
             setattr(modules[parent] if parent else model, attribute, layer)
+            units = [(n, p, a, layer if n == name else m) for n, p, a, m in units]  # a unit the rule names itself
             for kind in ("weight", "bias"):
                 old = getattr(dense, kind, None)
                 if old is None:

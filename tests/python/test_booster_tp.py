@@ -71,10 +71,10 @@ def fewer_heads(model, tp):
 TP = 2 if int(os.environ.get("ZTRAIN_TEST_WORLD_SIZE", "1")) >= 2 else 1
 
 
-def boosted(zero_stage, policy=POLICY, adapt=fewer_heads, make_model=TinyGPT):
+def boosted(zero_stage, policy=POLICY, adapt=fewer_heads, make_model=TinyGPT, wrap=None):
     model = make_model()
-    booster = Booster(HybridParallelPlugin(tp_size=TP, zero_stage=zero_stage, tensor_parallel=policy, adapt=adapt),
-                      max_grad_norm=CLIP)
+    booster = Booster(HybridParallelPlugin(tp_size=TP, zero_stage=zero_stage, tensor_parallel=policy, adapt=adapt,
+                                           wrap=wrap), max_grad_norm=CLIP)
     model, optimizer, *_ = booster.boost(model, ztrain.optim.AdamW(model.parameters(), lr=LR))
     return booster, model, optimizer
 
@@ -154,6 +154,15 @@ class VocabParallelPolicy(unittest.TestCase):
                 losses = train(booster, model, optimizer, 3)
                 torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
                 check_params(self, model, want_params)
+
+    def test_an_embedding_unit_is_split_in_its_block(self):
+        want_losses, want_params, _ = reference(3, TinyGPT)
+        booster, model, optimizer = boosted(3, {**POLICY, "embed": "vocab"}, wrap=lambda name, module: (
+            name == "embed" or isinstance(module, Layer)))
+        self.assertIsInstance(model.embed, ztrain.Block)
+        self.assertIsInstance(model.embed.module, ztrain.nn.VocabParallelEmbedding)
+        torch.testing.assert_close(train(booster, model, optimizer, 3), want_losses, rtol=1e-5, atol=1e-6)
+        check_params(self, model, want_params)
 
     def test_untied_head_equals_one_process_and_the_file_loads_without_tp(self):
         want_losses, want_params, _ = reference(3, TinyGPT)
