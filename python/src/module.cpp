@@ -7,6 +7,7 @@
 #include <ztrain/optim/adam.h>
 #include <ztrain/optim/adam_offload.h>
 #include <ztrain/optim/optim_manager.h>
+#include <ztrain/pipe/schedule.h>
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
 #include <ztrain/zero/distributed_parameter.h>
@@ -349,7 +350,19 @@ PYBIND11_MODULE(_C, m) {
              return std::make_shared<PyParameter>(value, zero_level, tp_split_dim);
            }),
            release())
-      .def("gather", [](PyParameter& p) { return p.forward(); }, release());
+      .def("gather", [](PyParameter& p) { return p.forward(); }, release())
+      .def("new_forward", &PyParameter::new_forward);
+  m.def(
+      "_pipeline_schedule",  // the C++ schedule's instructions for one stage: (op, micro-batch)
+      [](const std::string& kind, int stages, int stage, int micro_batches) {
+        std::vector<std::pair<std::string, int>> out;
+        for (const auto& ins : zt::pipe::make_schedule(zt::pipe::parse_schedule_kind(kind),
+                                                       {.stages = stages, .stage = stage, .micro_batches = micro_batches})) {
+          out.emplace_back(zt::pipe::to_string(ins.op), ins.micro_batch);
+        }
+        return out;
+      },
+      py::arg("kind"), py::arg("stages"), py::arg("stage"), py::arg("micro_batches"));
   m.def(
       "_link_blocks",
       [](const std::vector<std::shared_ptr<PyBlock>>& blocks, int depth) {

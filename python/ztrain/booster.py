@@ -52,7 +52,8 @@ import torch
 
 from . import _C
 from .block import Block, no_sync as _block_no_sync
-from .pipeline import PipelineBlockList, stages
+from .pipeline import (MicroBatch, PipelineBlockList, StageDone, count_backward_pass, recv_activations,
+                       send_activations, stages)
 from .checkpoint import load_checkpoint, save_checkpoint
 from .model_file import load, load_optimizer, save, save_optimizer
 from .optim import AdamOffload, OptimManager, _NativeAdam
@@ -198,10 +199,12 @@ class HybridParallelPlugin(Plugin):
                "vocab": torch.nn.Embedding}
 
     def __init__(self, tp_size, tensor_parallel=None, zero_stage=0, pp_size=1, num_microbatches=None, adapt=None,
-                 wrap=None, use_checkpoint=False, prefetch_depth=1):
+                 wrap=None, use_checkpoint=False, prefetch_depth=1, pp_style="1f1b"):
         tensor_parallel = tensor_parallel or {}
         if zero_stage not in (0, 1, 2, 3):
             raise _C.Error(f"HybridParallelPlugin: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        if pp_style not in ("1f1b", "gpipe"):
+            raise _C.Error(f"HybridParallelPlugin: pp_style must be '1f1b' or 'gpipe', got {pp_style!r}")
         for path, style in tensor_parallel.items():
             if style not in self._STYLES:
                 raise _C.Error(f"HybridParallelPlugin: '{path}': the style must be one of {', '.join(self._STYLES)}, "
@@ -212,6 +215,7 @@ class HybridParallelPlugin(Plugin):
         self.num_microbatches = num_microbatches
         self.tensor_parallel = dict(tensor_parallel)
         self.adapt = adapt
+        self.pp_style = pp_style
 
     def configure(self, model):
         from . import nn as tp_nn
@@ -411,32 +415,73 @@ class Booster:
 
     def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss=True, return_outputs=False):
         """One step's forward and backward on next(data_iter), a batch that every rank of a
-        pipeline takes alike (ColossalAI's execute_pipeline): each stage's rank runs the model
-        on its part of it (every tensor cut along dimension 0; a dict goes in as keywords, a
-        tuple or list positionally), `criterion(outputs, inputs)` gives its part's loss, and
-        backward runs when an optimizer is given. Returns {"loss": the batch's mean loss on
-        every rank, "outputs": this rank's part's}. Without pipeline stages the part is the whole
-        batch."""
+        pipeline takes alike (ColossalAI's execute_pipeline): the batch is cut into the plugin's
+        micro-batches (every tensor along dimension 0; a dict goes in as keywords, a tuple or list
+        positionally), which run through the stages by the plugin's schedule (pp_style: "1f1b"
+        or "gpipe"). Each stage runs the model's forward on a micro-batch up to its part of the
+        pipelined layers, the last stage to the end, where `criterion(outputs, inputs)` gives
+        the micro-batch's loss; backward runs when an optimizer is given, each micro-batch's
+        loss counting 1/m. Returns {"loss": the batch's mean loss on every rank, "outputs": the
+        last stage's model outputs of the micro-batches joined along dimension 0 (a scalar
+        each: stacked), None on the other stages}. Without pipeline stages the micro-batches run
+        one after another (gradient accumulation)."""
         size, stage = stages()
+        last = stage == size - 1
+        pipeline = next((m for m in model.modules() if isinstance(m, PipelineBlockList)), None)
+        count = pipeline.micro_batches if pipeline is not None else getattr(self.plugin, "num_microbatches", None) or 1
         batch = next(data_iter)
-        part = _cut(batch, size, stage)
-        if isinstance(part, dict):
-            outputs = model(**part)
-        elif isinstance(part, (tuple, list)):
-            outputs = model(*part)
+        micro = [_cut(batch, count, j) for j in range(count)]
+        if optimizer is None:
+            schedule = [(op, j) for j in range(count) for op in ("RF", "F", "SF")]  # forwards alone, in order
         else:
-            outputs = model(part)
-        loss = criterion(outputs, part)
+            schedule = _C._pipeline_schedule(getattr(self.plugin, "pp_style", "1f1b"), size, stage, count)
+        backwards = sum(op == "B" for op, _ in schedule)
+        # Micro-batches in flight together each gather a DistributedParameter (and reduce its
+        # gradient) for themselves.
+        shared = [p._native for p in model.parameters() if isinstance(p, DistributedParameter)]
+        received, sent, grads, losses, outputs = {}, {}, {}, [], []
+        for op, j in schedule:
+            if op == "RF" and stage > 0:
+                received[j] = recv_activations(stage - 1).requires_grad_(optimizer is not None)
+            elif op == "F":
+                for native in shared:
+                    native.new_forward()
+                with torch.set_grad_enabled(optimizer is not None):
+                    x = received.get(j) if optimizer is not None else received.pop(j, None)  # SB sends its gradient
+                    out = _run_micro_batch(model, pipeline, micro[j], x)
+                    if last:
+                        loss = criterion(out, micro[j])
+                        losses.append(loss.detach().float())
+                        if return_outputs:
+                            outputs.append(out)
+                if optimizer is not None or not last:  # what backward or the next stage takes
+                    sent[j] = loss if last else out
+            elif op == "SF" and not last:
+                send_activations(sent[j] if optimizer is not None else sent.pop(j), stage + 1)
+            elif op == "RB":
+                grads[j] = recv_activations(stage + 1)
+            elif op == "B":
+                backwards -= 1
+                y = sent.pop(j)
+                # The stages' reductions once, with the last backward; the last stage's loss
+                # scaled, the others' outputs taking the scaled gradient the next stage sent.
+                with _block_no_sync(model) if backwards else contextlib.nullcontext():
+                    optimizer._manager.backward(y / count if last else (y * grads.pop(j)).sum() / optimizer.loss_scale)
+            elif op == "SB":
+                x = received.pop(j)
+                send_activations(x.grad if x.grad is not None else torch.zeros_like(x), stage - 1)
         if optimizer is not None:
-            self.backward(loss, optimizer)
+            count_backward_pass()
+            if self._sync:
+                self._average_replicated()
         out = {}
         if return_loss:
-            mean = loss.detach().clone()
+            mean = torch.stack(losses).mean() if last else torch.empty((), dtype=torch.float32)
             if size > 1:
-                _C._all_reduce(mean, "avg", "pp")
+                _C._broadcast(mean, size - 1, "pp")
             out["loss"] = mean
         if return_outputs:
-            out["outputs"] = outputs
+            out["outputs"] = _join(outputs) if last else None
         return out
 
     @contextlib.contextmanager
@@ -506,12 +551,46 @@ def _shard_groups(model, group_of):
     return out
 
 
+def _run_micro_batch(model, pipeline, part, received):
+    """The model's forward on one micro-batch: up to this stage's pipelined layers (their
+    output), or to the end on the last stage (the model's output)."""
+    if pipeline is None:
+        return _call(model, part)
+    pipeline.micro_batch = MicroBatch(received)
+    try:
+        return _call(model, part)
+    except StageDone:
+        return pipeline.micro_batch.output
+    finally:
+        pipeline.micro_batch = None
+
+
+def _call(model, part):
+    if isinstance(part, dict):
+        return model(**part)
+    if isinstance(part, (tuple, list)):
+        return model(*part)
+    return model(part)
+
+
+def _join(outputs):
+    """The micro-batches' outputs along dimension 0 (scalars stacked), tensor by tensor."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs) if first.dim() > 0 else torch.stack(outputs)
+    if isinstance(first, dict):
+        return {k: _join([o[k] for o in outputs]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join(list(parts)) for parts in zip(*outputs))
+    return outputs
+
+
 def _cut(batch, parts, index):
     """Part `index` of `parts` of every tensor in `batch` (along dimension 0)."""
     if isinstance(batch, torch.Tensor):
         if batch.shape[0] % parts:
-            raise _C.Error(f"Booster.execute_pipeline: a batch of {batch.shape[0]} does not cut into {parts} parts, "
-                           "one per pipeline stage")
+            raise _C.Error(f"Booster.execute_pipeline: a batch of {batch.shape[0]} does not cut into {parts} "
+                           "micro-batches")
         return batch.chunk(parts)[index] if parts > 1 else batch
     if isinstance(batch, dict):
         return {k: _cut(v, parts, index) for k, v in batch.items()}

@@ -279,6 +279,29 @@ def micro_batch_args(args, batch, dims, micro_batches, batch_related):
     return out
 
 
+def count_backward_pass():
+    """Records a backward pass through a pipeline run outside autograd's single graph (a
+    schedule's micro-batches): the gradients outside the pipeline are summed over the stages
+    before they are next read."""
+    global _backward_passes
+    _backward_passes += 1
+
+
+class StageDone(Exception):
+    """Raised by a PipelineBlockList running one micro-batch of a schedule on a stage before the
+    last: its output goes to the next stage, and the rest of the model's forward is not run here."""
+
+
+class MicroBatch:
+    """One micro-batch through this stage's blocks, as a schedule runs it: the activation
+    received from the previous stage (None on the first, which takes the model's own), and
+    this stage's output."""
+
+    def __init__(self, received):
+        self.received = received
+        self.output = None
+
+
 class PipelineBlockList(torch.nn.Module):
     def __init__(self, modules, zero_level=2, use_checkpoint=True, micro_batches=None, prefetch_depth=1):
         super().__init__()
@@ -304,6 +327,7 @@ class PipelineBlockList(torch.nn.Module):
             self.add_module(str(index), block)
             blocks.append(block)
         _C._link_blocks([b._native for b in blocks], prefetch_depth)
+        self.micro_batch = None  # set while a schedule runs one micro-batch (Booster.execute_pipeline)
 
     def __len__(self):
         """The layers of the whole pipeline."""
@@ -324,6 +348,8 @@ class PipelineBlockList(torch.nn.Module):
         """This rank's part of the output; with return_hidden_states also every layer's input
         for this part, stacked (layers, part, ...)."""
         size, stage = stages()
+        if self.micro_batch is not None:
+            return self._forward_stage(x, args, return_hidden_states)
         if size * x.shape[0] % self.micro_batches:
             raise _C.Error(f"PipelineBlockList: the pipeline's batch ({size} stages x {x.shape[0]}) does not "
                            f"divide into {self.micro_batches} micro-batches")
@@ -350,6 +376,25 @@ class PipelineBlockList(torch.nn.Module):
         local = torch.cat([torch.stack(inputs[m * layers:(m + 1) * layers]) for m in range(self.micro_batches)], dim=1)
         counts = [end - begin for begin, end in (stage_range(self.layers, s, size) for s in range(size))]
         return out, _GatherLayerInputs.apply(local, counts)
+
+
+    def _forward_stage(self, x, args, return_hidden_states):
+        """This stage's blocks on one micro-batch of a schedule: the previous stage's activation
+        (or x on the first stage) in; before the last stage, the output kept for the schedule
+        to send and the model's forward ended (StageDone)."""
+        if return_hidden_states:
+            raise _C.Error("PipelineBlockList: return_hidden_states is not available under a pipeline schedule "
+                           "(Booster.execute_pipeline); call the model on each rank's part instead")
+        size, stage = stages()
+        h = self.micro_batch.received if stage > 0 else x
+        for block in self._modules.values():
+            h = block(h, *args)
+            if not isinstance(h, torch.Tensor):
+                raise _C.Error("PipelineBlockList: each block must return one tensor to pass on")
+        self.micro_batch.output = h
+        if stage < size - 1:
+            raise StageDone()
+        return h
 
 
 __all__ = ["PipelineBlockList", "send_activations", "recv_activations", "sum_over_stages", "stage_range",

@@ -12,7 +12,7 @@ import torch
 
 import ztrain
 from ztrain.booster import Booster, HybridParallelPlugin
-from test_booster import BATCH, CLIP, LR, TinyLM, batch, check_params, reference
+from test_booster import BATCH, CLIP, LR, Layer, TinyLM, batch, check_params, reference
 
 
 def part(ids):
@@ -28,11 +28,11 @@ def TiedHeadLM(seed=0):
     return model
 
 
-def boosted(zero_stage, micro_batches=None, make_model=TinyLM, policy=None):
+def boosted(zero_stage, micro_batches=None, make_model=TinyLM, policy=None, pp_style="1f1b", loss_scale=None):
     model = make_model()
     plugin = HybridParallelPlugin(tp_size=1, pp_size=ztrain._C._group_size("pp"), zero_stage=zero_stage,
-                                  num_microbatches=micro_batches, tensor_parallel=policy)
-    booster = Booster(plugin, max_grad_norm=CLIP)
+                                  num_microbatches=micro_batches, tensor_parallel=policy, pp_style=pp_style)
+    booster = Booster(plugin, max_grad_norm=CLIP, loss_scale=loss_scale)
     model, optimizer, *_ = booster.boost(model, ztrain.optim.AdamW(model.parameters(), lr=LR))
     return booster, model, optimizer
 
@@ -78,21 +78,61 @@ class PipelineStages(unittest.TestCase):
         torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-6)  # the slice held by both stages once
         check_params(self, model, want_params)
 
-    def test_execute_pipeline_cuts_one_batch_per_pipeline(self):
-        want_losses, want_params, _ = reference(3)
-        booster, model, optimizer = boosted(3, micro_batches=1)
+    def test_execute_pipeline_runs_the_schedule_on_one_batch_per_pipeline(self):
+        pp, stage = ztrain._C._group_size("pp"), ztrain._C._group_rank("pp")
         dp, me = ztrain._C._group_size("dp"), ztrain._C._group_rank("dp")
-        # Every rank of a pipeline takes its dp rank's share, as a sampler over the dp group gives it.
-        data = iter([{"ids": batch(step)[me * BATCH // dp:(me + 1) * BATCH // dp]} for step in range(3)])
-        losses = []
-        for _ in range(3):
-            optimizer.zero_grad()
-            out = booster.execute_pipeline(data, model, lambda loss, inputs: loss, optimizer, return_outputs=True)
-            self.assertTrue(optimizer.step())
-            self.assertEqual(out["outputs"].dim(), 0)  # what the model returned: this rank's part's loss
-            losses.append(ztrain.sum_loss(out["loss"]).item())
-        torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-        check_params(self, model, want_params)
+
+        def data(steps):  # every rank of a pipeline takes its dp rank's share, as a sampler over dp gives it
+            return iter([{"ids": batch(step)[me * BATCH // dp:(me + 1) * BATCH // dp]} for step in range(steps)])
+
+        want_losses, want_params, want_norms = reference(3)
+        tied_losses, tied_params, tied_norms = reference(3, TiedHeadLM)
+        del tied_params["head.weight"]
+        vocab = {"embed": "vocab", "head": "column_gathered"}
+        cases = [("1f1b", 4, 3, TinyLM, None, None, want_losses, want_params, want_norms),
+                 ("1f1b", 4, 0, TinyLM, None, 2.0 ** 10, want_losses, want_params, want_norms),
+                 ("gpipe", 2, 1, TinyLM, None, None, want_losses, want_params, want_norms),
+                 ("1f1b", 2, 3, TiedHeadLM, vocab, None, tied_losses, tied_params, tied_norms)]
+        for style, micro_batches, zero_stage, make_model, policy, scale, losses_, params_, norms_ in cases:
+            with self.subTest(pp_style=style, micro_batches=micro_batches, model=make_model.__name__, loss_scale=scale):
+                booster, model, optimizer = boosted(zero_stage, micro_batches, make_model, policy, style, scale)
+                loss = booster.execute_pipeline(data(1), model, lambda loss, inputs: loss)["loss"]  # forward only
+                self.assertAlmostEqual(ztrain.sum_loss(loss).item(), losses_[0], places=5)
+                losses, norms = [], []
+                for out in data(3):
+                    optimizer.zero_grad()
+                    out = booster.execute_pipeline(iter([out]), model, lambda loss, inputs: loss, optimizer,
+                                                   return_outputs=True)
+                    self.assertTrue(optimizer.step())
+                    if stage == pp - 1:  # what the model returned: each micro-batch's loss
+                        self.assertEqual(tuple(out["outputs"].shape), (micro_batches,))
+                    else:
+                        self.assertIsNone(out["outputs"])
+                    losses.append(ztrain.sum_loss(out["loss"]).item())
+                    norms.append(optimizer.last_grad_norm)
+                torch.testing.assert_close(losses, losses_, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(norms, norms_, rtol=1e-5, atol=1e-6)
+                check_params(self, model, params_)
+
+    def test_1f1b_holds_fewer_micro_batches_than_gpipe(self):
+        pp, stage = ztrain._C._group_size("pp"), ztrain._C._group_rank("pp")
+        events = []
+
+        class Recording(Layer):  # logs each micro-batch's forward, and its backward as it arrives
+            def forward(self, x):
+                y = super().forward(x)
+                events.append(+1)
+                y.register_hook(lambda grad: events.append(-1))
+                return y
+
+        for style, most in (("1f1b", min(pp - stage, 4)), ("gpipe", 4)):
+            with self.subTest(pp_style=style):
+                booster, model, optimizer = boosted(2, 4, lambda: TinyLM(layer=Recording), pp_style=style)
+                events.clear()
+                booster.execute_pipeline(iter([batch(0)]), model, lambda loss, inputs: loss, optimizer)
+                alive = [sum(events[:i + 1]) for i in range(len(events))]  # layer outputs awaiting backward
+                self.assertEqual(alive[-1], 0)
+                self.assertEqual(max(alive), most * len(model.layers._modules))  # micro-batches x this stage's layers
 
     def test_saved_file_is_the_plain_model(self):
         booster, model, optimizer = boosted(1)

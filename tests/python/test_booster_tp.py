@@ -125,7 +125,9 @@ class HybridParallel(unittest.TestCase):
         with self.assertRaisesRegex(ztrain.Error, "'embed.weight' \\(rule 'embed'\\) is shared with 'head.weight' "
                                     "\\(rule 'head'\\), which splits it another way"):
             boosted(0, policy={"embed": "vocab", "head": "row"}, make_model=TiedGPT)
-        with self.assertRaisesRegex(ztrain.Error, "the style must be one of column, column_gathered, row"):
+        with self.assertRaisesRegex(ztrain.Error, "pp_style must be '1f1b' or 'gpipe', got 'interleaved'"):
+            HybridParallelPlugin(tp_size=TP, pp_style="interleaved")
+        with self.assertRaisesRegex(ztrain.Error, "the style must be one of column, column_gathered, row, vocab"):
             boosted(0, policy={"layers.*.fc1": "colum"})
         with self.assertRaisesRegex(ztrain.Error, "pp_size=2 but the runtime has 1 pipeline stages"):
             model = TinyGPT()

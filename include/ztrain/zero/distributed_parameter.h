@@ -47,6 +47,10 @@ class DistributedParameterImpl : public ShardedModule {
 
   /// The full tensor (see above).
   torch::Tensor forward();
+  /// The next call gathers again, starting a forward of its own, instead of returning the
+  /// tensor of a forward whose backward is still to come: for micro-batches in flight together
+  /// (a pipeline schedule runs forwards ahead of backwards), each with its own backward.
+  void new_forward() { cached_ = torch::Tensor(); }
   const std::string& name() const { return name_; }
 
  private:
