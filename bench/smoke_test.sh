@@ -3,9 +3,10 @@
 #
 # The run_all tooling in seconds (a CTest, not a benchmark): gpt_bench on 2 ranks for one step
 # of the small GPT at ZeRO levels 0 and 3, the PyTorch peer's model against gpt_reference.py, one
-# DDP step on 1 rank and one FSDP2 step on 2, one python_bench step on 2 ranks (where the Python
-# package is built), one step under three booster plugins, then report.py on the results, and
-# report.py --section growth on level 3 at 1 and 2 ranks. Fails unless the
+# DDP step on 1 rank and one FSDP2 step on 2, one python_bench step and one python_pipe_bench
+# step per schedule on 2 ranks (where the Python package is built), one step under three booster
+# plugins, then report.py on the results, and report.py --section growth on level 3 at 1 and 2
+# ranks. Fails unless the
 # bytes sent per step equal the theory (ring collectives: 2(N-1)/N or 3(N-1)/N of the parameter
 # bytes) and the model state equals ztrain's formula, FSDP2 holds a shard of the parameters, and
 # the section and plots are written.
@@ -28,6 +29,14 @@ package=$(cd "$(dirname "$gpt")/.." && pwd)/python
 if [[ -d $package/ztrain ]]; then
   PYTHONPATH=$package "$mpiexec" -np 2 --oversubscribe --bind-to none -x PYTHONPATH "$python" "$here/python_bench.py" \
     --level 3 --preset tiny --batch 1 --seq 16 --steps 1 --warmup 1 --data "$data" --json "$work/python.jsonl" >/dev/null
+  for style in 1f1b gpipe; do  # bench/python_pipe_bench.py: both schedules, the same first loss
+    PYTHONPATH=$package "$mpiexec" -np 2 --oversubscribe --bind-to none -x PYTHONPATH "$python" \
+      "$here/python_pipe_bench.py" --style "$style" --micro-batches 2 --preset tiny --batch 4 --seq 16 --steps 1 \
+      --warmup 0 --data "$data" --json "$work/pipe.jsonl" >/dev/null
+  done
+  "$python" -c 'import json, sys; a, b = (json.loads(l) for l in open(sys.argv[1]))
+assert a["loss_first"] == b["loss_first"] and a["peak_rss_bytes"][0] > 0, (a, b)
+print("python_pipe_bench: 1f1b and gpipe first loss %.4f" % a["loss_first"])' "$work/pipe.jsonl"
 fi
 "$python" - "$work/results.jsonl" "$work/python.jsonl" "$here" <<'EOF'
 import json, os, sys
