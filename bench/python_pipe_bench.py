@@ -3,11 +3,13 @@
 GPT, unchanged, one step of which each schedule runs.
 
     mpirun -np P python3 bench/python_pipe_bench.py --style 1f1b --micro-batches 8 --preset small \
-        --batch 16 [--seq 256] [--level 0] [--checkpoint] [--steps 6] [--warmup 2] [--json FILE]
+        --batch 16 [--chunks 2] [--seq 256] [--level 0] [--checkpoint] [--steps 6] [--warmup 2] [--json FILE]
 
 The P ranks are P pipeline stages (dp 1); the model's layers are cut over them. --style:
-  1f1b, gpipe   Booster.execute_pipeline with that pp_style: every rank takes the same batch of
-                --batch sequences, cut into --micro-batches
+  1f1b, gpipe, interleaved
+                Booster.execute_pipeline with that pp_style: every rank takes the same batch of
+                --batch sequences, cut into --micro-batches (interleaved: --chunks model chunks
+                per stage)
   forward       the model called on each rank's part of the batch (--batch / P sequences; the
                 parts gathered into one pipeline batch, GPipe's order) and booster.backward
 A step runs from a barrier to the end of the optimizer step, its time the max over the ranks;
@@ -34,7 +36,8 @@ import peer_torch  # noqa: E402  (the model, presets and batches of the PyTorch 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--style", choices=("1f1b", "gpipe", "forward"), default="1f1b")
+    p.add_argument("--style", choices=("1f1b", "gpipe", "interleaved", "forward"), default="1f1b")
+    p.add_argument("--chunks", type=int, default=2, help="model chunks per stage (interleaved)")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--preset", choices=sorted(peer_torch.PRESETS), default="small")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (per pipeline)")
@@ -55,6 +58,7 @@ def main():
     model = peer_torch.Gpt(c)
     plugin = HybridParallelPlugin(tp_size=1, pp_size=pp, zero_stage=a.level, num_microbatches=a.micro_batches,
                                   pp_style="gpipe" if a.style == "forward" else a.style,
+                                  num_model_chunks=a.chunks if a.style == "interleaved" else 1,
                                   use_checkpoint=a.checkpoint)
     booster = Booster(plugin)
     opt = ztrain.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -87,6 +91,7 @@ def main():
     median = statistics.median(step_s)
     out = {
         "bench": "python_pipe", "style": a.style, "stages": pp, "micro_batches": a.micro_batches,
+        "chunks": a.chunks if a.style == "interleaved" else 1,
         "level": a.level, "checkpoint": a.checkpoint, "preset": a.preset, "batch": a.batch, "seq": seq,
         "steps": a.steps, "warmup": a.warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "step_s": {"median": median, "min": min(step_s), "max": max(step_s)},

@@ -144,7 +144,10 @@ for ((round = 1; round <= rounds; ++round)); do
       for dtype in $dtypes; do
         common=(--preset "$preset" $shape --dtype "$dtype" --steps "$steps" --warmup "$warmup")
         profile=()
-        [[ $preset == small && $np == 1 ]] && profile=(--profile "$results/profile-$preset-$dtype-level0.json")
+        # Each round its own file: the report takes the profile of the round whose row it keeps.
+        suffix=""
+        ((rounds > 1)) && suffix="-round$round"
+        [[ $preset == small && $np == 1 ]] && profile=(--profile "$results/profile-$preset-$dtype-level0$suffix.json")
         ztrain "$np" peer "${common[@]}" --system plain --probe
         ztrain "$np" peer "${common[@]}" --level 0 --probe "${profile[@]}"
         for level in 1 2 3; do ztrain "$np" peer "${common[@]}" --level "$level"; done

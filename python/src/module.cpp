@@ -353,16 +353,17 @@ PYBIND11_MODULE(_C, m) {
       .def("gather", [](PyParameter& p) { return p.forward(); }, release())
       .def("new_forward", &PyParameter::new_forward);
   m.def(
-      "_pipeline_schedule",  // the C++ schedule's instructions for one stage: (op, micro-batch)
-      [](const std::string& kind, int stages, int stage, int micro_batches) {
-        std::vector<std::pair<std::string, int>> out;
-        for (const auto& ins : zt::pipe::make_schedule(zt::pipe::parse_schedule_kind(kind),
-                                                       {.stages = stages, .stage = stage, .micro_batches = micro_batches})) {
-          out.emplace_back(zt::pipe::to_string(ins.op), ins.micro_batch);
+      "_pipeline_schedule",  // the C++ schedule's instructions for one stage: (op, micro-batch, chunk)
+      [](const std::string& kind, int stages, int stage, int micro_batches, int chunks) {
+        std::vector<std::tuple<std::string, int, int>> out;
+        for (const auto& ins : zt::pipe::make_schedule(
+                 zt::pipe::parse_schedule_kind(kind),
+                 {.stages = stages, .stage = stage, .micro_batches = micro_batches, .chunks = chunks})) {
+          out.emplace_back(zt::pipe::to_string(ins.op), ins.micro_batch, ins.chunk);
         }
         return out;
       },
-      py::arg("kind"), py::arg("stages"), py::arg("stage"), py::arg("micro_batches"));
+      py::arg("kind"), py::arg("stages"), py::arg("stage"), py::arg("micro_batches"), py::arg("chunks") = 1);
   m.def(
       "_link_blocks",
       [](const std::vector<std::shared_ptr<PyBlock>>& blocks, int depth) {
@@ -454,11 +455,13 @@ PYBIND11_MODULE(_C, m) {
       },
       release());
   m.def(
-      "_send", [](const torch::Tensor& t, int dst, const std::string& group) { group_named(group).send(t, dst); },
-      release());
+      "_send",
+      [](const torch::Tensor& t, int dst, const std::string& group, int tag) { group_named(group).send(t, dst, tag); },
+      py::arg("t"), py::arg("dst"), py::arg("group"), py::arg("tag") = 0, release());
   m.def(
-      "_recv", [](const torch::Tensor& t, int src, const std::string& group) { group_named(group).recv(t, src); },
-      release());
+      "_recv",
+      [](const torch::Tensor& t, int src, const std::string& group, int tag) { group_named(group).recv(t, src, tag); },
+      py::arg("t"), py::arg("src"), py::arg("group"), py::arg("tag") = 0, release());
   m.def(
       "_broadcast", [](const torch::Tensor& t, int root, const std::string& group) { group_named(group).broadcast(t, root); },
       release());

@@ -199,12 +199,15 @@ class HybridParallelPlugin(Plugin):
                "vocab": torch.nn.Embedding}
 
     def __init__(self, tp_size, tensor_parallel=None, zero_stage=0, pp_size=1, num_microbatches=None, adapt=None,
-                 wrap=None, use_checkpoint=False, prefetch_depth=1, pp_style="1f1b"):
+                 wrap=None, use_checkpoint=False, prefetch_depth=1, pp_style="1f1b", num_model_chunks=1):
         tensor_parallel = tensor_parallel or {}
         if zero_stage not in (0, 1, 2, 3):
             raise _C.Error(f"HybridParallelPlugin: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-        if pp_style not in ("1f1b", "gpipe"):
-            raise _C.Error(f"HybridParallelPlugin: pp_style must be '1f1b' or 'gpipe', got {pp_style!r}")
+        if pp_style not in ("1f1b", "gpipe", "interleaved"):
+            raise _C.Error(f"HybridParallelPlugin: pp_style must be '1f1b', 'gpipe' or 'interleaved', got {pp_style!r}")
+        if (pp_style == "interleaved") != (num_model_chunks > 1):
+            raise _C.Error(f"HybridParallelPlugin: pp_style='interleaved' takes num_model_chunks >= 2 (the model chunks "
+                           f"of each stage), the others 1; got pp_style={pp_style!r}, num_model_chunks={num_model_chunks}")
         for path, style in tensor_parallel.items():
             if style not in self._STYLES:
                 raise _C.Error(f"HybridParallelPlugin: '{path}': the style must be one of {', '.join(self._STYLES)}, "
@@ -216,6 +219,7 @@ class HybridParallelPlugin(Plugin):
         self.tensor_parallel = dict(tensor_parallel)
         self.adapt = adapt
         self.pp_style = pp_style
+        self.num_model_chunks = num_model_chunks
 
     def configure(self, model):
         from . import nn as tp_nn
@@ -314,7 +318,7 @@ class HybridParallelPlugin(Plugin):
         path = units[0][0].rpartition(".")[0]
         parent, _, attribute = path.rpartition(".")
         pipeline = _PipelinedList(list(layers), self.zero_level, self.use_checkpoint, self.num_microbatches,
-                                  self.prefetch_depth)
+                                  self.prefetch_depth, self.num_model_chunks)
         setattr(model.get_submodule(parent) if parent else model, attribute, pipeline)
         return [name for name, _, _, _ in units]
 
@@ -417,59 +421,69 @@ class Booster:
         """One step's forward and backward on next(data_iter), a batch that every rank of a
         pipeline takes alike (ColossalAI's execute_pipeline): the batch is cut into the plugin's
         micro-batches (every tensor along dimension 0; a dict goes in as keywords, a tuple or list
-        positionally), which run through the stages by the plugin's schedule (pp_style: "1f1b"
-        or "gpipe"). Each stage runs the model's forward on a micro-batch up to its part of the
-        pipelined layers, the last stage to the end, where `criterion(outputs, inputs)` gives
-        the micro-batch's loss; backward runs when an optimizer is given, each micro-batch's
+        positionally), which run through the stages by the plugin's schedule (pp_style: "1f1b",
+        "gpipe" or "interleaved", the C++ engine's schedules). Each stage runs the model's forward
+        on a micro-batch up to the end of one of its model chunks, the last virtual stage to the
+        end, where `criterion(outputs, inputs)` gives the micro-batch's loss; backward runs when an optimizer is given, each micro-batch's
         loss counting 1/m. Returns {"loss": the batch's mean loss on every rank, "outputs": the
         last stage's model outputs of the micro-batches joined along dimension 0 (a scalar
         each: stacked), None on the other stages}. Without pipeline stages the micro-batches run
         one after another (gradient accumulation)."""
         size, stage = stages()
-        last = stage == size - 1
         pipeline = next((m for m in model.modules() if isinstance(m, PipelineBlockList)), None)
         count = pipeline.micro_batches if pipeline is not None else getattr(self.plugin, "num_microbatches", None) or 1
+        chunks = pipeline.chunks if pipeline is not None else 1
+        virtual_stages = size * chunks
         batch = next(data_iter)
         micro = [_cut(batch, count, j) for j in range(count)]
-        if optimizer is None:
-            schedule = [(op, j) for j in range(count) for op in ("RF", "F", "SF")]  # forwards alone, in order
-        else:
-            schedule = _C._pipeline_schedule(getattr(self.plugin, "pp_style", "1f1b"), size, stage, count)
-        backwards = sum(op == "B" for op, _ in schedule)
+        if optimizer is None:  # forwards alone, micro-batch by micro-batch, chunk by chunk
+            schedule = [(op, j, c) for j in range(count) for c in range(chunks) for op, needed in (
+                ("RF", c * size + stage > 0), ("F", True), ("SF", c * size + stage < virtual_stages - 1)) if needed]
+        else:  # each transfer ordered so that blocking sends and receives complete
+            schedule = _C._pipeline_schedule(getattr(self.plugin, "pp_style", "1f1b"), size, stage, count, chunks)
+        # Each chunk's last backward reduces the gradients (an engine takes part in the backward
+        # of one chunk: its blocks, or the modules before and after the pipeline in the first and
+        # last chunk); the others hold them, summed.
+        final = {c: i for i, (op, _, c) in enumerate(schedule) if op == "B"}
         # Micro-batches in flight together each gather a DistributedParameter (and reduce its
         # gradient) for themselves.
         shared = [p._native for p in model.parameters() if isinstance(p, DistributedParameter)]
+        # Activations go to the next rank (the last one's to the first, for the next chunk),
+        # gradients to the previous one; tags keep the two apart between the same two ranks.
+        after, before = (stage + 1) % size, (stage - 1) % size
         received, sent, grads, losses, outputs = {}, {}, {}, [], []
-        for op, j in schedule:
-            if op == "RF" and stage > 0:
-                received[j] = recv_activations(stage - 1).requires_grad_(optimizer is not None)
+        for i, (op, j, c) in enumerate(schedule):
+            last = c * size + stage == virtual_stages - 1
+            if op == "RF":
+                received[j, c] = recv_activations(before, tag=_FORWARD).requires_grad_(optimizer is not None)
             elif op == "F":
                 for native in shared:
                     native.new_forward()
                 with torch.set_grad_enabled(optimizer is not None):
-                    x = received.get(j) if optimizer is not None else received.pop(j, None)  # SB sends its gradient
-                    out = _run_micro_batch(model, pipeline, micro[j], x)
+                    # Backward (SB) sends the received activation's gradient; forwards alone drop it.
+                    x = received.get((j, c)) if optimizer is not None else received.pop((j, c), None)
+                    out = _run_micro_batch(model, pipeline, micro[j], x, c)
                     if last:
                         loss = criterion(out, micro[j])
                         losses.append(loss.detach().float())
                         if return_outputs:
                             outputs.append(out)
                 if optimizer is not None or not last:  # what backward or the next stage takes
-                    sent[j] = loss if last else out
-            elif op == "SF" and not last:
-                send_activations(sent[j] if optimizer is not None else sent.pop(j), stage + 1)
+                    sent[j, c] = loss if last else out
+            elif op == "SF":
+                send_activations(sent[j, c] if optimizer is not None else sent.pop((j, c)), after, tag=_FORWARD)
             elif op == "RB":
-                grads[j] = recv_activations(stage + 1)
+                grads[j, c] = recv_activations(after, tag=_BACKWARD)
             elif op == "B":
-                backwards -= 1
-                y = sent.pop(j)
-                # The stages' reductions once, with the last backward; the last stage's loss
-                # scaled, the others' outputs taking the scaled gradient the next stage sent.
-                with _block_no_sync(model) if backwards else contextlib.nullcontext():
-                    optimizer._manager.backward(y / count if last else (y * grads.pop(j)).sum() / optimizer.loss_scale)
+                y = sent.pop((j, c))
+                # The last virtual stage's loss scaled, the others' outputs taking the scaled
+                # gradient the next one sent.
+                with _block_no_sync(model) if i != final[c] else contextlib.nullcontext():
+                    optimizer._manager.backward(y / count if last else (y * grads.pop((j, c))).sum() / optimizer.loss_scale)
             elif op == "SB":
-                x = received.pop(j)
-                send_activations(x.grad if x.grad is not None else torch.zeros_like(x), stage - 1)
+                x = received.pop((j, c))
+                send_activations(x.grad if x.grad is not None else torch.zeros_like(x), before, tag=_BACKWARD)
+        last = stage == size - 1  # holds the last virtual stage
         if optimizer is not None:
             count_backward_pass()
             if self._sync:
@@ -551,12 +565,15 @@ def _shard_groups(model, group_of):
     return out
 
 
-def _run_micro_batch(model, pipeline, part, received):
-    """The model's forward on one micro-batch: up to this stage's pipelined layers (their
-    output), or to the end on the last stage (the model's output)."""
+_FORWARD, _BACKWARD = 1, 2  # the tags of execute_pipeline's activations and gradients
+
+
+def _run_micro_batch(model, pipeline, part, received, chunk):
+    """The model's forward on one micro-batch: up to the end of one of this stage's model chunks
+    (its output), or to the end of the model on the last virtual stage (the model's output)."""
     if pipeline is None:
         return _call(model, part)
-    pipeline.micro_batch = MicroBatch(received)
+    pipeline.micro_batch = MicroBatch(received, chunk)
     try:
         return _call(model, part)
     except StageDone:

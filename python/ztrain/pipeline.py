@@ -62,20 +62,20 @@ def _empty_like_header(header, device):
     return torch.empty([int(d) for d in header[2:2 + dims]], dtype=_DTYPES[int(header[0])], device=device)
 
 
-def send_activations(x, stage, group="pp"):
+def send_activations(x, stage, group="pp", tag=0):
     """Sends a tensor of any shape and dtype to `stage` of the pipeline group (its rank in
-    `group`), which receives it with recv_activations."""
+    `group`), which receives it with recv_activations (`tag` keeps kinds of message apart)."""
     x = x.detach().contiguous()
-    _C._send(_header(x, "send_activations"), stage, group)
-    _C._send(x, stage, group)
+    _C._send(_header(x, "send_activations"), stage, group, tag)
+    _C._send(x, stage, group, tag)
 
 
-def recv_activations(stage, group="pp", device=None):
+def recv_activations(stage, group="pp", device=None, tag=0):
     """The tensor `stage` sent with send_activations."""
     header = _header(None, "recv_activations")
-    _C._recv(header, stage, group)
+    _C._recv(header, stage, group, tag)
     out = _empty_like_header(header, device or _C.device())
-    _C._recv(out, stage, group)
+    _C._recv(out, stage, group, tag)
     return out
 
 
@@ -293,31 +293,38 @@ class StageDone(Exception):
 
 
 class MicroBatch:
-    """One micro-batch through this stage's blocks, as a schedule runs it: the activation
-    received from the previous stage (None on the first, which takes the model's own), and
-    this stage's output."""
+    """One micro-batch through one of this stage's model chunks, as a schedule runs it: the
+    activation received from the previous virtual stage (None on the first, which takes the
+    model's own), and the chunk's output."""
 
-    def __init__(self, received):
+    def __init__(self, received, chunk=0):
         self.received = received
+        self.chunk = chunk
         self.output = None
 
 
 class PipelineBlockList(torch.nn.Module):
-    def __init__(self, modules, zero_level=2, use_checkpoint=True, micro_batches=None, prefetch_depth=1):
+    def __init__(self, modules, zero_level=2, use_checkpoint=True, micro_batches=None, prefetch_depth=1, chunks=1):
         super().__init__()
         size, stage = stages()
         modules = list(modules)
-        if len(modules) < size:
-            raise _C.Error(f"PipelineBlockList: {len(modules)} layers cannot fill {size} pipeline stages")
+        if chunks < 1:
+            raise _C.Error(f"PipelineBlockList: chunks must be >= 1, got {chunks}")
+        if len(modules) < size * chunks:
+            raise _C.Error(f"PipelineBlockList: {len(modules)} layers cannot fill {size} pipeline stages"
+                           + (f" of {chunks} model chunks each" if chunks > 1 else ""))
         if len({id(m) for m in modules}) != len(modules):
             raise _C.Error("PipelineBlockList: a layer appears twice; build one module per layer")
         self.micro_batches = size if micro_batches is None else int(micro_batches)
         if self.micro_batches < 1:
             raise _C.Error(f"PipelineBlockList: micro_batches must be >= 1, got {micro_batches}")
         self.layers = len(modules)
-        self.begin, self.end = stage_range(len(modules), stage, size)
+        self.chunks = chunks
+        # Chunk c of stage s is virtual stage c * size + s (Megatron-LM's interleaved layout).
+        self.ranges = [stage_range(len(modules), c * size + stage, size * chunks) for c in range(chunks)]
+        self.begin, self.end = self.ranges[0][0], self.ranges[-1][1]
         blocks = []
-        for index in range(self.begin, self.end):
+        for index in (i for begin, end in self.ranges for i in range(begin, end)):
             m = modules[index]
             block = m if isinstance(m, Block) else Block(m, zero_level, use_checkpoint)
             block._native.set_tied_copies(1)  # this stage's alone
@@ -339,9 +346,9 @@ class PipelineBlockList(torch.nn.Module):
 
     def __getitem__(self, index):
         index = int(index) + (self.layers if int(index) < 0 else 0)
-        if not self.begin <= index < self.end:
-            raise _C.Error(f"PipelineBlockList: layer {index} is on another pipeline stage (this one holds "
-                           f"{self.begin}..{self.end - 1})")
+        if str(index) not in self._modules:
+            held = ", ".join(f"{begin}..{end - 1}" for begin, end in self.ranges)
+            raise _C.Error(f"PipelineBlockList: layer {index} is on another pipeline stage (this one holds {held})")
         return self._modules[str(index)]
 
     def forward(self, x, *args, batch_related=(), return_hidden_states=False):
@@ -350,6 +357,10 @@ class PipelineBlockList(torch.nn.Module):
         size, stage = stages()
         if self.micro_batch is not None:
             return self._forward_stage(x, args, return_hidden_states)
+        if self.chunks > 1:
+            raise _C.Error(f"PipelineBlockList: with {self.chunks} model chunks per stage the pipeline runs under "
+                           "Booster.execute_pipeline (pp_style='interleaved'), not by calling the model on each "
+                           "rank's part")
         if size * x.shape[0] % self.micro_batches:
             raise _C.Error(f"PipelineBlockList: the pipeline's batch ({size} stages x {x.shape[0]}) does not "
                            f"divide into {self.micro_batches} micro-batches")
@@ -386,13 +397,16 @@ class PipelineBlockList(torch.nn.Module):
             raise _C.Error("PipelineBlockList: return_hidden_states is not available under a pipeline schedule "
                            "(Booster.execute_pipeline); call the model on each rank's part instead")
         size, stage = stages()
-        h = self.micro_batch.received if stage > 0 else x
-        for block in self._modules.values():
-            h = block(h, *args)
+        chunk = self.micro_batch.chunk
+        virtual = chunk * size + stage
+        h = self.micro_batch.received if virtual > 0 else x
+        begin, end = self.ranges[chunk]
+        for index in range(begin, end):
+            h = self._modules[str(index)](h, *args)
             if not isinstance(h, torch.Tensor):
                 raise _C.Error("PipelineBlockList: each block must return one tensor to pass on")
         self.micro_batch.output = h
-        if stage < size - 1:
+        if virtual < size * self.chunks - 1:
             raise StageDone()
         return h
 

@@ -28,10 +28,18 @@ def TiedHeadLM(seed=0):
     return model
 
 
+def FourLayerLM(seed=0):
+    """TinyLM with a fourth layer: 2 stages x 2 model chunks of one layer each."""
+    model = TinyLM(seed)
+    model.layers.append(Layer())
+    return model
+
+
 def boosted(zero_stage, micro_batches=None, make_model=TinyLM, policy=None, pp_style="1f1b", loss_scale=None):
     model = make_model()
     plugin = HybridParallelPlugin(tp_size=1, pp_size=ztrain._C._group_size("pp"), zero_stage=zero_stage,
-                                  num_microbatches=micro_batches, tensor_parallel=policy, pp_style=pp_style)
+                                  num_microbatches=micro_batches, tensor_parallel=policy, pp_style=pp_style,
+                                  num_model_chunks=2 if pp_style == "interleaved" else 1)
     booster = Booster(plugin, max_grad_norm=CLIP, loss_scale=loss_scale)
     model, optimizer, *_ = booster.boost(model, ztrain.optim.AdamW(model.parameters(), lr=LR))
     return booster, model, optimizer
@@ -88,14 +96,21 @@ class PipelineStages(unittest.TestCase):
         want_losses, want_params, want_norms = reference(3)
         tied_losses, tied_params, tied_norms = reference(3, TiedHeadLM)
         del tied_params["head.weight"]
+        four_losses, four_params, four_norms = reference(3, FourLayerLM)
         vocab = {"embed": "vocab", "head": "column_gathered"}
         cases = [("1f1b", 4, 3, TinyLM, None, None, want_losses, want_params, want_norms),
                  ("1f1b", 4, 0, TinyLM, None, 2.0 ** 10, want_losses, want_params, want_norms),
                  ("gpipe", 2, 1, TinyLM, None, None, want_losses, want_params, want_norms),
-                 ("1f1b", 2, 3, TiedHeadLM, vocab, None, tied_losses, tied_params, tied_norms)]
+                 ("1f1b", 2, 3, TiedHeadLM, vocab, None, tied_losses, tied_params, tied_norms),
+                 ("interleaved", 2, 3, FourLayerLM, None, None, four_losses, four_params, four_norms)]
         for style, micro_batches, zero_stage, make_model, policy, scale, losses_, params_, norms_ in cases:
             with self.subTest(pp_style=style, micro_batches=micro_batches, model=make_model.__name__, loss_scale=scale):
                 booster, model, optimizer = boosted(zero_stage, micro_batches, make_model, policy, style, scale)
+                if style == "interleaved" and pp > 1:  # chunk c of stage s: layer c * pp + s
+                    self.assertEqual(list(model.layers._modules), [["0", "2"], ["1", "3"]][stage])
+                    with self.assertRaisesRegex(ztrain.Error, "with 2 model chunks per stage the pipeline runs under "
+                                                "Booster.execute_pipeline"):
+                        model(batch(0))
                 loss = booster.execute_pipeline(data(1), model, lambda loss, inputs: loss)["loss"]  # forward only
                 self.assertAlmostEqual(ztrain.sum_loss(loss).item(), losses_[0], places=5)
                 losses, norms = [], []

@@ -125,8 +125,12 @@ class HybridParallel(unittest.TestCase):
         with self.assertRaisesRegex(ztrain.Error, "'embed.weight' \\(rule 'embed'\\) is shared with 'head.weight' "
                                     "\\(rule 'head'\\), which splits it another way"):
             boosted(0, policy={"embed": "vocab", "head": "row"}, make_model=TiedGPT)
-        with self.assertRaisesRegex(ztrain.Error, "pp_style must be '1f1b' or 'gpipe', got 'interleaved'"):
+        with self.assertRaisesRegex(ztrain.Error, "pp_style must be '1f1b', 'gpipe' or 'interleaved', got 'zbv'"):
+            HybridParallelPlugin(tp_size=TP, pp_style="zbv")
+        with self.assertRaisesRegex(ztrain.Error, "pp_style='interleaved' takes num_model_chunks >= 2"):
             HybridParallelPlugin(tp_size=TP, pp_style="interleaved")
+        with self.assertRaisesRegex(ztrain.Error, "got pp_style='1f1b', num_model_chunks=2"):
+            HybridParallelPlugin(tp_size=TP, num_model_chunks=2)
         with self.assertRaisesRegex(ztrain.Error, "the style must be one of column, column_gathered, row, vocab"):
             boosted(0, policy={"layers.*.fc1": "colum"})
         with self.assertRaisesRegex(ztrain.Error, "pp_size=2 but the runtime has 1 pipeline stages"):
