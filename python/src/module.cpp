@@ -7,6 +7,7 @@
 #include <ztrain/optim/adam.h>
 #include <ztrain/optim/adam_offload.h>
 #include <ztrain/optim/optim_manager.h>
+#include <ztrain/pipe/boundary.h>
 #include <ztrain/pipe/schedule.h>
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/init.h>
@@ -364,6 +365,19 @@ PYBIND11_MODULE(_C, m) {
         return out;
       },
       py::arg("kind"), py::arg("stages"), py::arg("stage"), py::arg("micro_batches"), py::arg("chunks") = 1);
+  // The C++ pipeline's stage boundary over the pp group (collective): sends run on their own
+  // communication threads, receives check the message id; received tensors sent requiring grad
+  // are leaves requiring grad.
+  py::class_<zt::pipe::Boundary, std::shared_ptr<zt::pipe::Boundary>>(m, "_Boundary")
+      .def(py::init([] { return std::make_shared<zt::pipe::Boundary>(group_named("pp"), zt::runtime().device()); }),
+           release())
+      .def("send_forward", [](zt::pipe::Boundary& b, const std::vector<torch::Tensor>& t, int64_t id) { b.send_forward(t, id); },
+           release())
+      .def("recv_forward", [](zt::pipe::Boundary& b, int64_t id) { return b.recv_forward(id).wait().tensors; }, release())
+      .def("send_backward", [](zt::pipe::Boundary& b, const std::vector<torch::Tensor>& t, int64_t id) { b.send_backward(t, id); },
+           release())
+      .def("recv_backward", [](zt::pipe::Boundary& b, int64_t id) { return b.recv_backward(id).wait().tensors; }, release())
+      .def("synchronize", &zt::pipe::Boundary::synchronize, release());
   m.def(
       "_link_blocks",
       [](const std::vector<std::shared_ptr<PyBlock>>& blocks, int depth) {
@@ -455,13 +469,11 @@ PYBIND11_MODULE(_C, m) {
       },
       release());
   m.def(
-      "_send",
-      [](const torch::Tensor& t, int dst, const std::string& group, int tag) { group_named(group).send(t, dst, tag); },
-      py::arg("t"), py::arg("dst"), py::arg("group"), py::arg("tag") = 0, release());
+      "_send", [](const torch::Tensor& t, int dst, const std::string& group) { group_named(group).send(t, dst); },
+      release());
   m.def(
-      "_recv",
-      [](const torch::Tensor& t, int src, const std::string& group, int tag) { group_named(group).recv(t, src, tag); },
-      py::arg("t"), py::arg("src"), py::arg("group"), py::arg("tag") = 0, release());
+      "_recv", [](const torch::Tensor& t, int src, const std::string& group) { group_named(group).recv(t, src); },
+      release());
   m.def(
       "_broadcast", [](const torch::Tensor& t, int root, const std::string& group) { group_named(group).broadcast(t, root); },
       release());

@@ -52,8 +52,7 @@ import torch
 
 from . import _C
 from .block import Block, no_sync as _block_no_sync
-from .pipeline import (MicroBatch, PipelineBlockList, StageDone, count_backward_pass, recv_activations,
-                       send_activations, stages)
+from .pipeline import MicroBatch, PipelineBlockList, StageDone, count_backward_pass, stages
 from .checkpoint import load_checkpoint, save_checkpoint
 from .model_file import load, load_optimizer, save, save_optimizer
 from .optim import AdamOffload, OptimManager, _NativeAdam
@@ -372,6 +371,7 @@ class Booster:
         self._model = None
         self._replicated = []
         self._sync = True
+        self._boundary = None  # execute_pipeline's, made at its first call
 
     def boost(self, model, optimizer, criterion=None, dataloader=None, lr_scheduler=None):
         """Wraps `model`'s units in place and re-targets `optimizer` at what the ranks now train
@@ -448,14 +448,18 @@ class Booster:
         # Micro-batches in flight together each gather a DistributedParameter (and reduce its
         # gradient) for themselves.
         shared = [p._native for p in model.parameters() if isinstance(p, DistributedParameter)]
-        # Activations go to the next rank (the last one's to the first, for the next chunk),
-        # gradients to the previous one; tags keep the two apart between the same two ranks.
-        after, before = (stage + 1) % size, (stage - 1) % size
+        # The C++ pipeline's boundary: activations go to the next rank (the last one's to the
+        # first, for the next chunk), gradients to the previous one, each send on its own thread;
+        # a message's id is its micro-batch and the virtual stage that sent it.
+        if self._boundary is None:
+            self._boundary = _C._Boundary()  # collective over the pipeline group
+        boundary = self._boundary
         received, sent, grads, losses, outputs = {}, {}, {}, [], []
         for i, (op, j, c) in enumerate(schedule):
-            last = c * size + stage == virtual_stages - 1
+            virtual = c * size + stage
+            last = virtual == virtual_stages - 1
             if op == "RF":
-                received[j, c] = recv_activations(before, tag=_FORWARD).requires_grad_(optimizer is not None)
+                (received[j, c],) = boundary.recv_forward(j * virtual_stages + virtual - 1)
             elif op == "F":
                 for native in shared:
                     native.new_forward()
@@ -471,9 +475,10 @@ class Booster:
                 if optimizer is not None or not last:  # what backward or the next stage takes
                     sent[j, c] = loss if last else out
             elif op == "SF":
-                send_activations(sent[j, c] if optimizer is not None else sent.pop((j, c)), after, tag=_FORWARD)
+                boundary.send_forward([sent[j, c] if optimizer is not None else sent.pop((j, c))],
+                                      j * virtual_stages + virtual)
             elif op == "RB":
-                grads[j, c] = recv_activations(after, tag=_BACKWARD)
+                (grads[j, c],) = boundary.recv_backward(j * virtual_stages + virtual + 1)
             elif op == "B":
                 y = sent.pop((j, c))
                 # The last virtual stage's loss scaled, the others' outputs taking the scaled
@@ -482,7 +487,9 @@ class Booster:
                     optimizer._manager.backward(y / count if last else (y * grads.pop((j, c))).sum() / optimizer.loss_scale)
             elif op == "SB":
                 x = received.pop((j, c))
-                send_activations(x.grad if x.grad is not None else torch.zeros_like(x), before, tag=_BACKWARD)
+                boundary.send_backward([x.grad if x.grad is not None else torch.zeros_like(x)],
+                                       j * virtual_stages + virtual)
+        boundary.synchronize()
         last = stage == size - 1  # holds the last virtual stage
         if optimizer is not None:
             count_backward_pass()
@@ -563,9 +570,6 @@ def _shard_groups(model, group_of):
                     "groups may split a unit only that way")
             out[id(shard)] = groups[0]
     return out
-
-
-_FORWARD, _BACKWARD = 1, 2  # the tags of execute_pipeline's activations and gradients
 
 
 def _run_micro_batch(model, pipeline, part, received, chunk):

@@ -62,20 +62,20 @@ def _empty_like_header(header, device):
     return torch.empty([int(d) for d in header[2:2 + dims]], dtype=_DTYPES[int(header[0])], device=device)
 
 
-def send_activations(x, stage, group="pp", tag=0):
+def send_activations(x, stage, group="pp"):
     """Sends a tensor of any shape and dtype to `stage` of the pipeline group (its rank in
-    `group`), which receives it with recv_activations (`tag` keeps kinds of message apart)."""
+    `group`), which receives it with recv_activations."""
     x = x.detach().contiguous()
-    _C._send(_header(x, "send_activations"), stage, group, tag)
-    _C._send(x, stage, group, tag)
+    _C._send(_header(x, "send_activations"), stage, group)
+    _C._send(x, stage, group)
 
 
-def recv_activations(stage, group="pp", device=None, tag=0):
+def recv_activations(stage, group="pp", device=None):
     """The tensor `stage` sent with send_activations."""
     header = _header(None, "recv_activations")
-    _C._recv(header, stage, group, tag)
+    _C._recv(header, stage, group)
     out = _empty_like_header(header, device or _C.device())
-    _C._recv(out, stage, group, tag)
+    _C._recv(out, stage, group)
     return out
 
 
