@@ -191,8 +191,9 @@ class HybridParallelPlugin(Plugin):
     makes one call, which runs the whole pipeline on the parts of the batch that the ranks of the
     pipeline bring, and hands each rank the output of its own part. Each rank therefore feeds
     its own part of the data, as under DDP over ztrain.data_parallel() ranks, and the loss it
-    computes is its part's; or Booster.execute_pipeline takes one batch per pipeline
-    (ColossalAI's way) and cuts it."""
+    computes is its part's (GPipe's order); or Booster.execute_pipeline takes one batch per
+    pipeline (ColossalAI's way), cuts it into the micro-batches and runs them by pp_style: "1f1b"
+    (default), "gpipe" or "interleaved" with num_model_chunks >= 2 model chunks per stage."""
 
     _STYLES = {"column": torch.nn.Linear, "column_gathered": torch.nn.Linear, "row": torch.nn.Linear,
                "vocab": torch.nn.Embedding}
@@ -424,8 +425,8 @@ class Booster:
         positionally), which run through the stages by the plugin's schedule (pp_style: "1f1b",
         "gpipe" or "interleaved", the C++ engine's schedules). Each stage runs the model's forward
         on a micro-batch up to the end of one of its model chunks, the last virtual stage to the
-        end, where `criterion(outputs, inputs)` gives the micro-batch's loss; backward runs when an optimizer is given, each micro-batch's
-        loss counting 1/m. Returns {"loss": the batch's mean loss on every rank, "outputs": the
+        end, where `criterion(outputs, inputs)` gives the micro-batch's loss; backward runs when
+        an optimizer is given, each micro-batch's loss counting 1/m. Returns {"loss": the batch's mean loss on every rank, "outputs": the
         last stage's model outputs of the micro-batches joined along dimension 0 (a scalar
         each: stacked), None on the other stages}. Without pipeline stages the micro-batches run
         one after another (gradient accumulation)."""
@@ -439,7 +440,7 @@ class Booster:
         if optimizer is None:  # forwards alone, micro-batch by micro-batch, chunk by chunk
             schedule = [(op, j, c) for j in range(count) for c in range(chunks) for op, needed in (
                 ("RF", c * size + stage > 0), ("F", True), ("SF", c * size + stage < virtual_stages - 1)) if needed]
-        else:  # each transfer ordered so that blocking sends and receives complete
+        else:  # (op, micro-batch, chunk) in the C++ engine's order
             schedule = _C._pipeline_schedule(getattr(self.plugin, "pp_style", "1f1b"), size, stage, count, chunks)
         # Each chunk's last backward reduces the gradients (an engine takes part in the backward
         # of one chunk: its blocks, or the modules before and after the pipeline in the first and

@@ -22,6 +22,11 @@ backward), then hands each rank the output of its own part. Tensor arguments who
 dimension is the batch and whose rank is x's (or those whose positions `batch_related` lists)
 are gathered and cut the same way; other arguments are stage 0's, passed to every micro-batch.
 
+Under Booster.execute_pipeline a schedule of the C++ engine (1F1B, GPipe, interleaved) drives
+the stages instead, one micro-batch of the model's forward at a time (`micro_batch`): each stage
+runs its blocks of one model chunk — with `chunks` = v, stage s holds the layer runs s, p + s, …
+of p·v — and ends the model's forward there (StageDone) unless it holds the last run.
+
 Parameters outside the pipeline (embeddings, the head) are held by every stage: their gradients
 are summed over the stages once backward is done with them (`sum_over_stages`, which the
 OptimManagers' clip_grad_norm, grad_norm and step and ztrain.optim's step call first), so that
@@ -387,7 +392,6 @@ class PipelineBlockList(torch.nn.Module):
         local = torch.cat([torch.stack(inputs[m * layers:(m + 1) * layers]) for m in range(self.micro_batches)], dim=1)
         counts = [end - begin for begin, end in (stage_range(self.layers, s, size) for s in range(size))]
         return out, _GatherLayerInputs.apply(local, counts)
-
 
     def _forward_stage(self, x, args, return_hidden_states):
         """This stage's blocks on one micro-batch of a schedule: the previous stage's activation
