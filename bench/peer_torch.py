@@ -175,6 +175,14 @@ def check():
     return 0 if ok else 1
 
 
+def emit(result, path=None):
+    """Prints one result line, and appends it to the JSON-lines file `path` if given."""
+    print(json.dumps(result), flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
 def batches(path, seq, batch, rank, ranks):
     data = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8).long()
     windows = data.numel() // (seq + 1)
@@ -291,10 +299,7 @@ def train(a):
         "memory": held,
     }
     if rank == 0:
-        print(json.dumps(out), flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps(out) + "\n")
+        emit(out, a.json)
     dist.barrier()
     dist.destroy_process_group()
     return 0

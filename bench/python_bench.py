@@ -15,7 +15,6 @@ global batch over the median step after the warm-up. Rank 0 prints one JSON obje
 gpt_bench's form. bench/python_overhead.sh runs both side by side.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -106,10 +105,7 @@ def main():
         "loss_first": losses[0], "loss_last": losses[-1],
     }
     if rank == 0:
-        print(json.dumps(out), flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps(out) + "\n")
+        peer_torch.emit(out, a.json)
     return 0
 
 

@@ -18,7 +18,6 @@ rank's high-water mark (getrusage), the largest over the ranks and each stage's.
 one JSON object. Run one style per process: the high-water mark never falls.
 """
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -100,10 +99,7 @@ def main():
         "loss_first": losses[0], "loss_last": losses[-1],
     }
     if ztrain.rank() == 0:
-        print(json.dumps(out), flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps(out) + "\n")
+        peer_torch.emit(out, a.json)
     return 0
 
 

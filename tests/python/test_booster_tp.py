@@ -79,6 +79,32 @@ def boosted(zero_stage, policy=POLICY, adapt=fewer_heads, make_model=TinyGPT, wr
     return booster, model, optimizer
 
 
+def check_saved_file(booster, model, name, reload=None):
+    """The file booster.save_model writes loads into the plain model (safetensors, no ztrain) and,
+    given `reload` (-> a boosted booster and model), into another boosted model; both compute
+    what `model` does."""
+    path = os.path.join(tempfile.gettempdir(), f"ztrain_py_booster_{name}_{os.getppid()}.safetensors")
+    try:
+        booster.save_model(model, path)
+        loaded = []
+        if reload is not None:
+            other_booster, other, _ = reload()
+            other_booster.load_model(other, path)
+            loaded.append(other)
+        plain = TinyGPT(seed=1)
+        ztrain.synchronize()
+        import safetensors.torch
+        plain.load_state_dict(safetensors.torch.load_file(path))
+        with torch.no_grad():
+            want = model(batch(5))
+            for m in [plain] + loaded:
+                torch.testing.assert_close(m(batch(5)), want, rtol=1e-5, atol=1e-6)
+    finally:
+        ztrain.synchronize()
+        if ztrain.rank() == 0 and os.path.exists(path):
+            os.remove(path)
+
+
 class HybridParallel(unittest.TestCase):
     def test_equals_one_process_at_every_zero_stage(self):
         want_losses, want_params, _ = reference(3, TinyGPT)
@@ -97,19 +123,7 @@ class HybridParallel(unittest.TestCase):
     def test_the_file_holds_full_tensors_and_loads_without_tp(self):
         booster, model, optimizer = boosted(1)
         train(booster, model, optimizer, 2)
-        path = os.path.join(tempfile.gettempdir(), f"ztrain_py_booster_tp_{os.getppid()}.safetensors")
-        try:
-            booster.save_model(model, path)
-            plain = TinyGPT(seed=1)
-            ztrain.synchronize()
-            import safetensors.torch
-            plain.load_state_dict(safetensors.torch.load_file(path))
-            with torch.no_grad():
-                torch.testing.assert_close(plain(batch(5)), model(batch(5)), rtol=1e-5, atol=1e-6)
-        finally:
-            ztrain.synchronize()
-            if ztrain.rank() == 0 and os.path.exists(path):
-                os.remove(path)
+        check_saved_file(booster, model, "tp")
 
     def test_bad_policies_are_named(self):
         with self.assertRaisesRegex(ztrain.Error, "the rule 'layers.\\*.mlp' matches no module"):
@@ -176,22 +190,7 @@ class VocabParallelPolicy(unittest.TestCase):
         self.assertIsNot(model.head.weight, model.embed.weight)
         torch.testing.assert_close(train(booster, model, optimizer, 3), want_losses, rtol=1e-5, atol=1e-6)
         check_params(self, model, want_params)
-        path = os.path.join(tempfile.gettempdir(), f"ztrain_py_booster_vocab_{os.getppid()}.safetensors")
-        try:
-            booster.save_model(model, path)
-            booster2, model2, _ = boosted(3, VOCAB_POLICY)
-            booster2.load_model(model2, path)
-            plain = TinyGPT(seed=1)
-            ztrain.synchronize()
-            import safetensors.torch
-            plain.load_state_dict(safetensors.torch.load_file(path))
-            with torch.no_grad():
-                torch.testing.assert_close(plain(batch(5)), model(batch(5)), rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(model2(batch(5)), model(batch(5)), rtol=1e-5, atol=1e-6)
-        finally:
-            ztrain.synchronize()
-            if ztrain.rank() == 0 and os.path.exists(path):
-                os.remove(path)
+        check_saved_file(booster, model, "vocab", reload=lambda: boosted(3, VOCAB_POLICY))
 
 
 class VocabParallel(unittest.TestCase):
