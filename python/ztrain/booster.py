@@ -206,8 +206,9 @@ class HybridParallelPlugin(Plugin):
         if pp_style not in ("1f1b", "gpipe", "interleaved"):
             raise _C.Error(f"HybridParallelPlugin: pp_style must be '1f1b', 'gpipe' or 'interleaved', got {pp_style!r}")
         if (pp_style == "interleaved") != (num_model_chunks > 1):
-            raise _C.Error(f"HybridParallelPlugin: pp_style='interleaved' takes num_model_chunks >= 2 (the model chunks "
-                           f"of each stage), the others 1; got pp_style={pp_style!r}, num_model_chunks={num_model_chunks}")
+            raise _C.Error(f"HybridParallelPlugin: pp_style='interleaved' takes num_model_chunks >= 2 (the model "
+                           f"chunks of each stage), the others 1; got pp_style={pp_style!r}, "
+                           f"num_model_chunks={num_model_chunks}")
         for path, style in tensor_parallel.items():
             if style not in self._STYLES:
                 raise _C.Error(f"HybridParallelPlugin: '{path}': the style must be one of {', '.join(self._STYLES)}, "
@@ -426,9 +427,9 @@ class Booster:
         "gpipe" or "interleaved", the C++ engine's schedules). Each stage runs the model's forward
         on a micro-batch up to the end of one of its model chunks, the last virtual stage to the
         end, where `criterion(outputs, inputs)` gives the micro-batch's loss; backward runs when
-        an optimizer is given, each micro-batch's loss counting 1/m. Returns {"loss": the batch's mean loss on every rank, "outputs": the
-        last stage's model outputs of the micro-batches joined along dimension 0 (a scalar
-        each: stacked), None on the other stages}. Without pipeline stages the micro-batches run
+        an optimizer is given, each micro-batch's loss counting 1/m. Returns {"loss": the batch's
+        mean loss on every rank, "outputs": the last stage's model outputs of the micro-batches
+        joined along dimension 0 (a scalar each: stacked), None on the other stages}. Without pipeline stages the micro-batches run
         one after another (gradient accumulation)."""
         size, stage = stages()
         pipeline = next((m for m in model.modules() if isinstance(m, PipelineBlockList)), None)
@@ -485,7 +486,8 @@ class Booster:
                 # The last virtual stage's loss scaled, the others' outputs taking the scaled
                 # gradient the next one sent.
                 with _block_no_sync(model) if i != final[c] else contextlib.nullcontext():
-                    optimizer._manager.backward(y / count if last else (y * grads.pop((j, c))).sum() / optimizer.loss_scale)
+                    scaled = y / count if last else (y * grads.pop((j, c))).sum() / optimizer.loss_scale
+                    optimizer._manager.backward(scaled)
             elif op == "SB":
                 x = received.pop((j, c))
                 boundary.send_backward([x.grad if x.grad is not None else torch.zeros_like(x)],

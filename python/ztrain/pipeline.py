@@ -147,8 +147,7 @@ class _PipeOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        global _backward_passes
-        _backward_passes += 1  # gradients of the parameters outside the pipeline to sum over the stages
+        count_backward_pass()
         whole = _gather_stages(grad)
         return whole if ctx.last else whole.new_zeros(()).expand(ctx.shape)
 
@@ -285,9 +284,9 @@ def micro_batch_args(args, batch, dims, micro_batches, batch_related):
 
 
 def count_backward_pass():
-    """Records a backward pass through a pipeline run outside autograd's single graph (a
-    schedule's micro-batches): the gradients outside the pipeline are summed over the stages
-    before they are next read."""
+    """Records a backward pass through a pipeline (one step's graph, or a schedule's
+    micro-batches): the gradients of the parameters outside the pipeline are summed over the
+    stages before they are next read (sum_over_stages)."""
     global _backward_passes
     _backward_passes += 1
 
