@@ -1,0 +1,171 @@
+// bf16 matmuls on x86 CPUs without AVX-512: through fp32.
+//
+// libtorch computes bf16 matmuls on the CPU with oneDNN only where the CPU has AVX-512 (BW, VL,
+// DQ; oneDNN then uses the BF16/AMX units or emulates them). Elsewhere — every AVX2 CPU — they
+// fall back to a scalar loop: 0.7–1.8 GFLOP/s against 30–34 for fp32 on one Zen core, so a bf16
+// GPT step took 12× the fp32 one. There these kernels widen the operands to fp32, call libtorch's
+// own fp32 kernel and round the result to bf16 once. That is what the scalar loop computes too (it
+// accumulates in fp32); only the order of the sums differs. The widening is O(n²) against the
+// matmul's O(n³).
+//
+// They replace libtorch's CPU kernels of mm, addmm, bmm, baddbmm and the CPU flash attention's
+// forward and backward in the dispatcher, for the whole process once ztrain is loaded; autograd's
+// formulas call the same operators, so backward is covered too. Other dtypes, and every dtype on
+// CPUs that have a fast bf16 path, go straight to libtorch's kernel (`at::cpu::…`).
+// ZTRAIN_CPU_BF16_MATMUL=native keeps libtorch's bf16 kernels, =fp32 widens on any CPU,
+// =auto (the default) widens where the CPU lacks AVX-512.
+
+#include <ztrain/cpu_bf16.h>
+#include <ztrain/error.h>
+
+#include <ATen/cpu/Utils.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_cpu_dispatch.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_cpu_dispatch.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/bmm_cpu_dispatch.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace ztrain::detail {
+
+namespace {
+
+bool has_fast_bf16_matmul() {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  const auto flag = [&](const char* name) {
+    const auto it = caps.find(name);
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  };
+  const auto arch = caps.find("architecture");
+  const bool x86 = arch != caps.end() && arch->second.isString() && arch->second.toStringRef() == "x86_64";
+  // libtorch's own condition for its oneDNN bf16 gemm on x86 (mkldnn_bf16_device_check).
+  return !x86 || (flag("avx512_bw") && flag("avx512_vl") && flag("avx512_dq"));
+}
+
+// -1: not yet read from ZTRAIN_CPU_BF16_MATMUL.
+std::atomic<int> widen_bf16{-1};
+std::atomic<uint64_t> widened_calls{0};
+
+}  // namespace
+
+bool cpu_bf16_matmul_through_fp32() {
+  int widen = widen_bf16.load(std::memory_order_relaxed);
+  if (widen < 0) {
+    const char* env = std::getenv("ZTRAIN_CPU_BF16_MATMUL");
+    const std::string mode = env && *env ? env : "auto";
+    ZTRAIN_CHECK(mode == "auto" || mode == "fp32" || mode == "native",
+                 "ZTRAIN_CPU_BF16_MATMUL must be auto, fp32 or native, got '", mode, "'");
+    widen = mode == "fp32" || (mode == "auto" && !has_fast_bf16_matmul());
+    widen_bf16.store(widen, std::memory_order_relaxed);
+  }
+  return widen != 0;
+}
+
+void set_cpu_bf16_matmul_through_fp32(std::optional<bool> widen) {
+  widen_bf16.store(widen ? int{*widen} : -1, std::memory_order_relaxed);
+}
+
+uint64_t cpu_bf16_widened_calls() { return widened_calls.load(std::memory_order_relaxed); }
+
+namespace {
+
+using at::Tensor;
+
+bool widen(std::initializer_list<const Tensor*> operands) {
+  for (const auto* t : operands) {
+    if (t->scalar_type() != at::kBFloat16) return false;
+  }
+  if (!cpu_bf16_matmul_through_fp32()) return false;
+  widened_calls.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+Tensor fp32(const Tensor& t) { return t.to(at::kFloat); }
+Tensor bf16(const Tensor& t) { return t.to(at::kBFloat16); }
+
+Tensor mm(const Tensor& a, const Tensor& b) {
+  if (!widen({&a, &b})) return at::cpu::mm(a, b);
+  return bf16(at::cpu::mm(fp32(a), fp32(b)));
+}
+
+Tensor bmm(const Tensor& a, const Tensor& b) {
+  if (!widen({&a, &b})) return at::cpu::bmm(a, b);
+  return bf16(at::cpu::bmm(fp32(a), fp32(b)));
+}
+
+Tensor addmm(const Tensor& self, const Tensor& a, const Tensor& b, const at::Scalar& beta, const at::Scalar& alpha) {
+  if (!widen({&self, &a, &b})) return at::cpu::addmm(self, a, b, beta, alpha);
+  return bf16(at::cpu::addmm(fp32(self), fp32(a), fp32(b), beta, alpha));
+}
+
+Tensor baddbmm(const Tensor& self, const Tensor& a, const Tensor& b, const at::Scalar& beta,
+               const at::Scalar& alpha) {
+  if (!widen({&self, &a, &b})) return at::cpu::baddbmm(self, a, b, beta, alpha);
+  return bf16(at::cpu::baddbmm(fp32(self), fp32(a), fp32(b), beta, alpha));
+}
+
+std::optional<Tensor> fp32(const std::optional<Tensor>& t) {
+  if (!t || t->scalar_type() != at::kBFloat16) return t;
+  return fp32(*t);
+}
+
+std::tuple<Tensor, Tensor> flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, double dropout_p,
+                                           bool is_causal, const std::optional<Tensor>& attn_mask,
+                                           std::optional<double> scale) {
+  if (!widen({&q, &k, &v})) {
+    return at::cpu::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask, scale);
+  }
+  auto [out, logsumexp] = at::cpu::_scaled_dot_product_flash_attention_for_cpu(
+      fp32(q), fp32(k), fp32(v), dropout_p, is_causal, fp32(attn_mask), scale);
+  return {bf16(out), logsumexp};  // logsumexp is fp32 for bf16 inputs too
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_out, const Tensor& q,
+                                                            const Tensor& k, const Tensor& v, const Tensor& out,
+                                                            const Tensor& logsumexp, double dropout_p,
+                                                            bool is_causal, const std::optional<Tensor>& attn_mask,
+                                                            std::optional<double> scale) {
+  if (!widen({&grad_out, &q, &k, &v, &out})) {
+    return at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, logsumexp,
+                                                                         dropout_p, is_causal, attn_mask, scale);
+  }
+  auto [dq, dk, dv] = at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
+      fp32(grad_out), fp32(q), fp32(k), fp32(v), fp32(out), logsumexp, dropout_p, is_causal, fp32(attn_mask), scale);
+  return {bf16(dq), bf16(dk), bf16(dv)};
+}
+
+// Replacing a kernel that libtorch registered makes the dispatcher warn once; these replace on
+// purpose, so the warning is held back while they register.
+struct QuietHandler final : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
+std::optional<torch::Library> register_kernels() {
+  QuietHandler quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  std::optional<torch::Library> lib;
+  lib.emplace(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  lib->impl("mm", TORCH_FN(mm));
+  lib->impl("bmm", TORCH_FN(bmm));
+  lib->impl("addmm", TORCH_FN(addmm));
+  lib->impl("baddbmm", TORCH_FN(baddbmm));
+  lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
+  lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward", TORCH_FN(flash_attention_backward));
+  return lib;
+}
+
+// Registered while the library is loaded; unloading it gives libtorch's kernels back.
+const auto kernels = register_kernels();
+
+}  // namespace
+
+}  // namespace ztrain::detail
