@@ -1,0 +1,68 @@
+"""Importing ztrain routes torch's bf16 matmuls and CPU flash attention through fp32 kernels with one
+rounding (src/cpu_bf16_matmul.cpp), for plain torch code too. The test runs with
+ZTRAIN_CPU_BF16_MATMUL=fp32, so it holds on any CPU; `auto` chooses it where the CPU lacks AVX-512."""
+import os
+import unittest
+
+import torch
+
+import ztrain
+
+
+def randn(*shape, gen):
+    return torch.randn(*shape, generator=gen).bfloat16()
+
+
+class Bf16ThroughFp32(unittest.TestCase):
+    def setUp(self):
+        self.assertEqual(os.environ.get("ZTRAIN_CPU_BF16_MATMUL"), "fp32")
+        self.gen = torch.Generator().manual_seed(0)
+
+    def test_matmuls_are_the_fp32_kernels_rounded_once(self):
+        a, b, c = randn(256, 384, gen=self.gen), randn(384, 128, gen=self.gen), randn(128, gen=self.gen)
+        self.assertTrue(torch.equal(a @ b, (a.float() @ b.float()).bfloat16()))
+        self.assertTrue(torch.equal(torch.addmm(c, a, b), torch.addmm(c.float(), a.float(), b.float()).bfloat16()))
+        x, y = randn(3, 40, 512, gen=self.gen), randn(3, 512, 24, gen=self.gen)
+        self.assertTrue(torch.equal(torch.bmm(x, y), torch.bmm(x.float(), y.float()).bfloat16()))
+
+    def test_attention_forward_and_backward(self):
+        q, k, v = (randn(2, 3, 64, 32, gen=self.gen) for _ in range(3))
+        grad = randn(2, 3, 64, 32, gen=self.gen)
+
+        def run(dtype):
+            leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+            out.backward(grad.to(dtype))
+            return [out.detach()] + [t.grad for t in leaves]
+
+        got, want = run(torch.bfloat16), run(torch.float32)
+        # The output is the fp32 kernel's on the same bf16 values, rounded once.
+        self.assertTrue(torch.equal(got[0], want[0].bfloat16()))
+        # The gradients too, except that backward reads the rounded output.
+        for g, w in zip(got[1:], want[1:]):
+            self.assertEqual(g.dtype, torch.bfloat16)
+            self.assertLess(((g.float() - w).abs().max() / w.abs().max()).item(), 1e-2)
+
+    def test_a_torch_model_learns_as_in_float64(self):
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(96, 192), torch.nn.GELU(), torch.nn.Linear(192, 8))
+        ref = [p.detach().double() for p in model.parameters()]
+        model = model.bfloat16()
+        x, target = randn(32, 96, gen=self.gen), randn(32, 8, gen=self.gen)
+        model(x).float().sub(target.float()).pow(2).mean().backward()
+        params = [p.double().requires_grad_() for p in ref]
+        h = torch.nn.functional.gelu(x.double() @ params[0].t() + params[1])
+        (h @ params[2].t() + params[3]).sub(target.double()).pow(2).mean().backward()
+        for p, r in zip(model.parameters(), params):
+            err = ((p.grad.double() - r.grad).abs().max() / r.grad.abs().max()).item()
+            self.assertLess(err, 2e-2)
+
+
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
+    ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
+    unittest.main()
