@@ -40,7 +40,7 @@
 #include "../src/comm/host_shared_detail.h"
 
 #include <ztrain/comm/mpi/transport.h>
-#include <ztrain/cpu_bf16.h>
+#include <ztrain/cpu_matmul16.h>
 #include <ztrain/ztrain.h>
 
 #include <CLI/CLI.hpp>
@@ -402,8 +402,9 @@ int run(const Args& a) {
       {"plugin", boosted ? json(a.plugin) : json()},
       {"dtype", a.dtype},
       {"device", device.str()},
-      // how bf16 matmuls ran on the CPU: libtorch's kernels or through fp32 (src/cpu_bf16_matmul.cpp)
-      {"cpu_bf16_matmul", ztrain::detail::cpu_bf16_matmul_through_fp32() ? "fp32" : "native"},
+      // how bf16 matmuls ran on the CPU: libtorch's kernels or through fp32 (src/cpu_matmul16.cpp)
+      {"cpu_matmul16", !device.is_cpu() || config.dtype == torch::kFloat32 ? json()
+                       : json(ztrain::detail::cpu_matmul_through_fp32(config.dtype) ? "fp32" : "native")},
       {"ranks", n},
       {"threads", rt.threads()},
       {"model", {{"vocab", config.vocab_size}, {"context", config.context}, {"d_model", config.d_model},

@@ -17,9 +17,10 @@
 #   --docs          write the page even with --quick
 #   --no-docs       measure only (the page can be written later with bench/report.py)
 #   --dtypes LIST   the dtypes measured (default "fp32 bf16" on a CPU with AVX-512 BF16 or AMX,
-#                   "fp32" on one without: there libtorch's bf16 matmuls fall back to a path many
-#                   times slower than fp32's, 1.4 against 35 GFLOP/s on an AVX2 EPYC, and bf16
-#                   would measure that fallback instead of the engine)
+#                   "fp32" on one without: there PyTorch's bf16 matmuls fall back to a path many
+#                   times slower than fp32's, 1.4 against 35 GFLOP/s on an AVX2 EPYC, and while
+#                   ztrain's widen to fp32 there (src/cpu_matmul16.cpp), the PyTorch peers' would
+#                   measure that fallback)
 #   --rounds N      run the timed comparison N times over, configuration by configuration, and
 #                   report each configuration's fastest round (default 1; on a host whose other
 #                   load comes and goes, 2 or 3)

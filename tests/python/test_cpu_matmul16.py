@@ -1,6 +1,7 @@
-"""Importing ztrain routes torch's bf16 matmuls and CPU flash attention through fp32 kernels with one
-rounding (src/cpu_bf16_matmul.cpp), for plain torch code too. The test runs with
-ZTRAIN_CPU_BF16_MATMUL=fp32, so it holds on any CPU; `auto` chooses it where the CPU lacks AVX-512."""
+"""Importing ztrain routes torch's bf16 and fp16 matmuls and CPU flash attention through fp32 kernels
+with one rounding (src/cpu_matmul16.cpp), for plain torch code too. The test runs with
+ZTRAIN_CPU_MATMUL16=fp32, so it holds on any CPU; `auto` chooses it where the CPU lacks the units
+for the type."""
 import os
 import unittest
 
@@ -9,21 +10,24 @@ import torch
 import ztrain
 
 
-def randn(*shape, gen):
-    return torch.randn(*shape, generator=gen).bfloat16()
+def randn(*shape, gen, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=gen).to(dtype)
 
 
-class Bf16ThroughFp32(unittest.TestCase):
+class Matmul16ThroughFp32(unittest.TestCase):
     def setUp(self):
-        self.assertEqual(os.environ.get("ZTRAIN_CPU_BF16_MATMUL"), "fp32")
+        self.assertEqual(os.environ.get("ZTRAIN_CPU_MATMUL16"), "fp32")
         self.gen = torch.Generator().manual_seed(0)
 
     def test_matmuls_are_the_fp32_kernels_rounded_once(self):
-        a, b, c = randn(256, 384, gen=self.gen), randn(384, 128, gen=self.gen), randn(128, gen=self.gen)
-        self.assertTrue(torch.equal(a @ b, (a.float() @ b.float()).bfloat16()))
-        self.assertTrue(torch.equal(torch.addmm(c, a, b), torch.addmm(c.float(), a.float(), b.float()).bfloat16()))
-        x, y = randn(3, 40, 512, gen=self.gen), randn(3, 512, 24, gen=self.gen)
-        self.assertTrue(torch.equal(torch.bmm(x, y), torch.bmm(x.float(), y.float()).bfloat16()))
+        for dtype in (torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                a, b, c = (randn(*s, gen=self.gen, dtype=dtype) for s in ((256, 384), (384, 128), (128,)))
+                self.assertTrue(torch.equal(a @ b, (a.float() @ b.float()).to(dtype)))
+                self.assertTrue(torch.equal(torch.addmm(c, a, b),
+                                            torch.addmm(c.float(), a.float(), b.float()).to(dtype)))
+                x, y = randn(3, 40, 512, gen=self.gen, dtype=dtype), randn(3, 512, 24, gen=self.gen, dtype=dtype)
+                self.assertTrue(torch.equal(torch.bmm(x, y), torch.bmm(x.float(), y.float()).to(dtype)))
 
     def test_attention_forward_and_backward(self):
         q, k, v = (randn(2, 3, 64, 32, gen=self.gen) for _ in range(3))

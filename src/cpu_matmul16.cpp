@@ -1,21 +1,22 @@
-// bf16 matmuls on x86 CPUs without AVX-512: through fp32.
+// bf16 and fp16 matmuls on x86 CPUs without the units for them: through fp32.
 //
 // libtorch computes bf16 matmuls on the CPU with oneDNN only where the CPU has AVX-512 (BW, VL,
-// DQ; oneDNN then uses the BF16/AMX units or emulates them). Elsewhere — every AVX2 CPU — they
-// fall back to a scalar loop: 0.7–1.8 GFLOP/s against 30–34 for fp32 on one Zen core, so a bf16
-// GPT step took 12× the fp32 one. There these kernels widen the operands to fp32, call libtorch's
-// own fp32 kernel and round the result to bf16 once. That is what the scalar loop computes too (it
-// accumulates in fp32); only the order of the sums differs. The widening is O(n²) against the
+// DQ; oneDNN then uses the BF16/AMX units or emulates them), and fp16 ones only where it has
+// AVX512-FP16 or AMX-FP16. Elsewhere — bf16 on every AVX2 CPU, fp16 on nearly every x86 CPU — they
+// fall back to scalar loops: 0.7–1.8 GFLOP/s against 30–34 for fp32 on one Zen core, so a bf16
+// GPT step took 11× the fp32 one. There these kernels widen the operands to fp32, call libtorch's
+// own fp32 kernel and round the result once. That is what the scalar loops compute too (they
+// accumulate in fp32); only the order of the sums differs. The widening is O(n²) against the
 // matmul's O(n³).
 //
 // They replace libtorch's CPU kernels of mm, addmm, bmm, baddbmm and the CPU flash attention's
 // forward and backward in the dispatcher, for the whole process once ztrain is loaded; autograd's
-// formulas call the same operators, so backward is covered too. Other dtypes, and every dtype on
-// CPUs that have a fast bf16 path, go straight to libtorch's kernel (`at::cpu::…`).
-// ZTRAIN_CPU_BF16_MATMUL=native keeps libtorch's bf16 kernels, =fp32 widens on any CPU,
-// =auto (the default) widens where the CPU lacks AVX-512.
+// formulas call the same operators, so backward is covered too. Other dtypes, and a 16-bit type on
+// a CPU that has the units for it, go straight to libtorch's kernel (`at::cpu::…`).
+// ZTRAIN_CPU_MATMUL16=native keeps libtorch's kernels, =fp32 widens on any CPU, =auto (the
+// default) widens where the CPU lacks the units.
 
-#include <ztrain/cpu_bf16.h>
+#include <ztrain/cpu_matmul16.h>
 #include <ztrain/error.h>
 
 #include <ATen/cpu/Utils.h>
@@ -39,83 +40,89 @@ namespace ztrain::detail {
 
 namespace {
 
-bool has_fast_bf16_matmul() {
-  const auto caps = at::cpu::get_cpu_capabilities();
+// Whether libtorch has a fast CPU matmul for this 16-bit type here: its own conditions for its
+// oneDNN gemms on x86 (mkldnn_bf16_device_check, mkldnn_fp16_device_check). Other architectures
+// are left to libtorch.
+bool has_fast_matmul(at::ScalarType dtype) {
+  static const auto caps = at::cpu::get_cpu_capabilities();
   const auto flag = [&](const char* name) {
     const auto it = caps.find(name);
     return it != caps.end() && it->second.isBool() && it->second.toBool();
   };
   const auto arch = caps.find("architecture");
-  const bool x86 = arch != caps.end() && arch->second.isString() && arch->second.toStringRef() == "x86_64";
-  // libtorch's own condition for its oneDNN bf16 gemm on x86 (mkldnn_bf16_device_check).
-  return !x86 || (flag("avx512_bw") && flag("avx512_vl") && flag("avx512_dq"));
+  if (arch == caps.end() || !arch->second.isString() || arch->second.toStringRef() != "x86_64") return true;
+  if (dtype == at::kBFloat16) return flag("avx512_bw") && flag("avx512_vl") && flag("avx512_dq");
+  return flag("avx512_fp16") || flag("amx_fp16");
 }
 
-// -1: not yet read from ZTRAIN_CPU_BF16_MATMUL.
-std::atomic<int> widen_bf16{-1};
+// Per 16-bit type (0: bf16, 1: fp16): -1 not yet read from ZTRAIN_CPU_MATMUL16, else 0 or 1.
+std::atomic<int> widen_16bit[2] = {-1, -1};
 std::atomic<uint64_t> widened_calls{0};
 
 }  // namespace
 
-bool cpu_bf16_matmul_through_fp32() {
-  int widen = widen_bf16.load(std::memory_order_relaxed);
+bool cpu_matmul_through_fp32(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  auto& slot = widen_16bit[dtype == at::kHalf];
+  int widen = slot.load(std::memory_order_relaxed);
   if (widen < 0) {
-    const char* env = std::getenv("ZTRAIN_CPU_BF16_MATMUL");
+    const char* env = std::getenv("ZTRAIN_CPU_MATMUL16");
     const std::string mode = env && *env ? env : "auto";
     ZTRAIN_CHECK(mode == "auto" || mode == "fp32" || mode == "native",
-                 "ZTRAIN_CPU_BF16_MATMUL must be auto, fp32 or native, got '", mode, "'");
-    widen = mode == "fp32" || (mode == "auto" && !has_fast_bf16_matmul());
-    widen_bf16.store(widen, std::memory_order_relaxed);
+                 "ZTRAIN_CPU_MATMUL16 must be auto, fp32 or native, got '", mode, "'");
+    widen = mode == "fp32" || (mode == "auto" && !has_fast_matmul(dtype));
+    slot.store(widen, std::memory_order_relaxed);
   }
   return widen != 0;
 }
 
-void set_cpu_bf16_matmul_through_fp32(std::optional<bool> widen) {
-  widen_bf16.store(widen ? int{*widen} : -1, std::memory_order_relaxed);
+void set_cpu_matmul_through_fp32(std::optional<bool> widen) {
+  for (auto& slot : widen_16bit) slot.store(widen ? int{*widen} : -1, std::memory_order_relaxed);
 }
 
-uint64_t cpu_bf16_widened_calls() { return widened_calls.load(std::memory_order_relaxed); }
+uint64_t cpu_matmul_widened_calls() { return widened_calls.load(std::memory_order_relaxed); }
 
 namespace {
 
 using at::Tensor;
 
+// Whether a call goes through fp32: every operand of the same 16-bit type, widened for it.
 bool widen(std::initializer_list<const Tensor*> operands) {
+  const auto dtype = (*operands.begin())->scalar_type();
   for (const auto* t : operands) {
-    if (t->scalar_type() != at::kBFloat16) return false;
+    if (t->scalar_type() != dtype) return false;
   }
-  if (!cpu_bf16_matmul_through_fp32()) return false;
+  if (!cpu_matmul_through_fp32(dtype)) return false;
   widened_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
 Tensor fp32(const Tensor& t) { return t.to(at::kFloat); }
-Tensor bf16(const Tensor& t) { return t.to(at::kBFloat16); }
+
+std::optional<Tensor> fp32(const std::optional<Tensor>& t) {
+  if (!t || !at::isReducedFloatingType(t->scalar_type())) return t;
+  return fp32(*t);
+}
 
 Tensor mm(const Tensor& a, const Tensor& b) {
   if (!widen({&a, &b})) return at::cpu::mm(a, b);
-  return bf16(at::cpu::mm(fp32(a), fp32(b)));
+  return at::cpu::mm(fp32(a), fp32(b)).to(a.scalar_type());
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
   if (!widen({&a, &b})) return at::cpu::bmm(a, b);
-  return bf16(at::cpu::bmm(fp32(a), fp32(b)));
+  return at::cpu::bmm(fp32(a), fp32(b)).to(a.scalar_type());
 }
 
 Tensor addmm(const Tensor& self, const Tensor& a, const Tensor& b, const at::Scalar& beta, const at::Scalar& alpha) {
   if (!widen({&self, &a, &b})) return at::cpu::addmm(self, a, b, beta, alpha);
-  return bf16(at::cpu::addmm(fp32(self), fp32(a), fp32(b), beta, alpha));
+  return at::cpu::addmm(fp32(self), fp32(a), fp32(b), beta, alpha).to(a.scalar_type());
 }
 
 Tensor baddbmm(const Tensor& self, const Tensor& a, const Tensor& b, const at::Scalar& beta,
                const at::Scalar& alpha) {
   if (!widen({&self, &a, &b})) return at::cpu::baddbmm(self, a, b, beta, alpha);
-  return bf16(at::cpu::baddbmm(fp32(self), fp32(a), fp32(b), beta, alpha));
-}
-
-std::optional<Tensor> fp32(const std::optional<Tensor>& t) {
-  if (!t || t->scalar_type() != at::kBFloat16) return t;
-  return fp32(*t);
+  return at::cpu::baddbmm(fp32(self), fp32(a), fp32(b), beta, alpha).to(a.scalar_type());
 }
 
 std::tuple<Tensor, Tensor> flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, double dropout_p,
@@ -126,7 +133,7 @@ std::tuple<Tensor, Tensor> flash_attention(const Tensor& q, const Tensor& k, con
   }
   auto [out, logsumexp] = at::cpu::_scaled_dot_product_flash_attention_for_cpu(
       fp32(q), fp32(k), fp32(v), dropout_p, is_causal, fp32(attn_mask), scale);
-  return {bf16(out), logsumexp};  // logsumexp is fp32 for bf16 inputs too
+  return {out.to(q.scalar_type()), logsumexp};  // logsumexp is fp32 for 16-bit inputs too
 }
 
 std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_out, const Tensor& q,
@@ -140,7 +147,8 @@ std::tuple<Tensor, Tensor, Tensor> flash_attention_backward(const Tensor& grad_o
   }
   auto [dq, dk, dv] = at::cpu::_scaled_dot_product_flash_attention_for_cpu_backward(
       fp32(grad_out), fp32(q), fp32(k), fp32(v), fp32(out), logsumexp, dropout_p, is_causal, fp32(attn_mask), scale);
-  return {bf16(dq), bf16(dk), bf16(dv)};
+  const auto dtype = q.scalar_type();
+  return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
 }
 
 // Replacing a kernel that libtorch registered makes the dispatcher warn once; these replace on

@@ -1,0 +1,26 @@
+#pragma once
+/// bf16 and fp16 matmuls on CPUs without the units for them (src/cpu_matmul16.cpp): libtorch's own
+/// kernels there are scalar loops, so ztrain replaces them, for the whole process, with libtorch's
+/// fp32 kernels on widened operands and one rounding of the result. ZTRAIN_CPU_MATMUL16 chooses:
+/// auto (the default: widen where the CPU lacks the units), fp32 (always) or native (never).
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace ztrain::detail {
+
+/// Whether mm, addmm, bmm, baddbmm and the CPU flash attention on operands of this dtype run
+/// through fp32 in this process (never for a dtype other than bf16 and fp16). Throws
+/// ztrain::Error naming a ZTRAIN_CPU_MATMUL16 other than the three.
+bool cpu_matmul_through_fp32(at::ScalarType dtype);
+
+/// Sets the choice for both 16-bit types in this process (tests, benchmarks); nullopt reads
+/// ZTRAIN_CPU_MATMUL16 again at the next 16-bit matmul.
+void set_cpu_matmul_through_fp32(std::optional<bool> widen);
+
+/// How many operator calls have gone through fp32 in this process.
+uint64_t cpu_matmul_widened_calls();
+
+}  // namespace ztrain::detail
