@@ -171,9 +171,9 @@ def header(meta, rows):
                       "configuration's fastest round shown" if meta.get("rounds", 1) > 1 else "") + ". "
                    f"The cores were {busy_start}% busy with other work in the 3 s before the run and {busy_end}% after.")
         if "bf16" not in meta.get("dtypes", ["bf16"]):
-            out.append("\n**fp32 only: this CPU has no bf16 units (AVX-512 BF16 or AMX), where libtorch's bf16 "
-                       "matmuls fall back to a path many times slower than fp32's; the bf16 goals are not measured "
-                       "here.**")
+            out.append("\n**fp32 only: this CPU has no bf16 units (AVX-512 BF16 or AMX). ztrain's bf16 matmuls "
+                       "run through fp32 kernels here (src/cpu_matmul16.cpp), but the PyTorch peers' fall back to "
+                       "a path many times slower than fp32's; the bf16 goals are not measured here.**")
         if meta.get("quick"):
             out.append("\n**Quick run (`--quick`): 2 timed steps per configuration. These figures check the "
                        "tooling; they are not measurements.**")

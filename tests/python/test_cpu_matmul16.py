@@ -47,7 +47,7 @@ class Matmul16ThroughFp32(unittest.TestCase):
             self.assertEqual(g.dtype, torch.bfloat16)
             self.assertLess(((g.float() - w).abs().max() / w.abs().max()).item(), 1e-2)
 
-    def test_a_torch_model_learns_as_in_float64(self):
+    def test_a_torch_models_gradients_match_float64(self):
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(96, 192), torch.nn.GELU(), torch.nn.Linear(192, 8))
         ref = [p.detach().double() for p in model.parameters()]
