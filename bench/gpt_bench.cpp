@@ -402,7 +402,7 @@ int run(const Args& a) {
       {"plugin", boosted ? json(a.plugin) : json()},
       {"dtype", a.dtype},
       {"device", device.str()},
-      // how bf16 matmuls ran on the CPU: libtorch's kernels or through fp32 (src/cpu_matmul16.cpp)
+      // how the 16-bit matmuls ran on the CPU: libtorch's kernels or through fp32 (src/cpu_matmul16.cpp)
       {"cpu_matmul16", !device.is_cpu() || config.dtype == torch::kFloat32 ? json()
                        : json(ztrain::detail::cpu_matmul_through_fp32(config.dtype) ? "fp32" : "native")},
       {"ranks", n},
