@@ -157,17 +157,16 @@ struct QuietHandler final : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 
-std::optional<torch::Library> register_kernels() {
+torch::Library register_kernels() {
   QuietHandler quiet;
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-  std::optional<torch::Library> lib;
-  lib.emplace(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
-  lib->impl("mm", TORCH_FN(mm));
-  lib->impl("bmm", TORCH_FN(bmm));
-  lib->impl("addmm", TORCH_FN(addmm));
-  lib->impl("baddbmm", TORCH_FN(baddbmm));
-  lib->impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
-  lib->impl("_scaled_dot_product_flash_attention_for_cpu_backward", TORCH_FN(flash_attention_backward));
+  torch::Library lib(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  lib.impl("mm", TORCH_FN(mm));
+  lib.impl("bmm", TORCH_FN(bmm));
+  lib.impl("addmm", TORCH_FN(addmm));
+  lib.impl("baddbmm", TORCH_FN(baddbmm));
+  lib.impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(flash_attention));
+  lib.impl("_scaled_dot_product_flash_attention_for_cpu_backward", TORCH_FN(flash_attention_backward));
   return lib;
 }
 
