@@ -29,8 +29,8 @@ constexpr int64_t kGrain = 16384;  // elements per task of at::parallel_for
 
 // ---- scalar ------------------------------------------------------------------------------------
 
-float to_float(float v) { return v; }
-float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+using detail::simd::to_float;
+
 template <class T>
 T from_float(float v) {
   return static_cast<T>(v);  // c10::BFloat16: round to nearest even
@@ -104,11 +104,6 @@ ZTRAIN_AVX2 void backward_avx2(const T* dy, const T* x, T* dx, int64_t n) {
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
-bool takes_fused_path(const torch::Tensor& x) {
-  return x.device().is_cpu() && x.layout() == torch::kStrided &&
-         (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16);
-}
-
 // fn(T{}) with T the element type of a tensor that takes the fused path.
 template <class Fn>
 void for_type(torch::ScalarType type, Fn&& fn) {
@@ -175,7 +170,7 @@ struct GeluTanh : torch::autograd::Function<GeluTanh> {
 }  // namespace
 
 torch::Tensor gelu_tanh(const torch::Tensor& x) {
-  if (!takes_fused_path(x)) return torch::gelu(x, "tanh");
+  if (!detail::simd::float_or_bf16_on_cpu(x)) return torch::gelu(x, "tanh");
   return GeluTanh::apply(x);
 }
 

@@ -76,6 +76,10 @@ tp::RowParallelLinear row(int64_t in, int64_t out, Communicator* tp) {
   return tp::RowParallelLinear({.in_features = in, .out_features = out, .layout = tp::WeightLayout::kInOut}, tp);
 }
 int size_of(const Communicator* tp) { return tp ? tp->size() : 1; }
+/// The module's dropout through the fused kernel (models/fused.h).
+torch::Tensor dropped(const torch::nn::Dropout& m, const torch::Tensor& x) {
+  return models::dropout(x, m->options.p(), m->is_training());
+}
 }  // namespace
 
 GptAttentionImpl::GptAttentionImpl(const GptConfig& c, Communicator* tp)
@@ -96,19 +100,21 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   // When this rank holds some of the heads, their dropout mask is its own, not the tp group's.
   std::optional<TensorParallelRng> split_rng;
   if (n_head * hd < x.size(-1)) split_rng.emplace(x.device());
+  const double p = is_training() ? attn_dropout->options.p() : 0.0;
   torch::Tensor y;
-  if (fused) {
-    const double p = is_training() ? attn_dropout->options.p() : 0.0;
+  // With dropout, libtorch's CPU attention is its unfused path, which draws the masks with
+  // bernoulli_: the path below computes the same with the fused dropout, in less time.
+  if (fused && (p == 0 || !x.device().is_cpu())) {
     y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, p, /*is_causal=*/true);
   } else {
     auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     auto causal = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
     scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
     auto probs = torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type());
-    y = torch::matmul(attn_dropout(probs), qkv[2]);
+    y = torch::matmul(dropped(attn_dropout, probs), qkv[2]);
   }
   split_rng.reset();
-  return resid_dropout(c_proj(y.transpose(1, 2).reshape({b, t, n_head * hd})));
+  return dropped(resid_dropout, c_proj(y.transpose(1, 2).reshape({b, t, n_head * hd})));
 }
 
 GptMlpImpl::GptMlpImpl(const GptConfig& c, Communicator* tp)
@@ -118,7 +124,7 @@ GptMlpImpl::GptMlpImpl(const GptConfig& c, Communicator* tp)
   register_module("dropout", dropout);
 }
 
-torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) { return dropout(c_proj(gelu_tanh(c_fc(x)))); }
+torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) { return dropped(dropout, c_proj(gelu_tanh(c_fc(x)))); }
 
 GptBlockImpl::GptBlockImpl(const GptConfig& c, Communicator* tp)
     : ln_1(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)),
@@ -188,7 +194,7 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& tokens) {
   auto wte = tr.wte();
   auto positions = torch::arange(t, tokens.options().dtype(torch::kLong));
   auto tok = tp_ ? tp::vocab_parallel_embedding(tokens, wte, tp_) : torch::embedding(wte, tokens);
-  auto x = tr.drop(tok + torch::embedding(tr.wpe(), positions));
+  auto x = dropped(tr.drop, tok + torch::embedding(tr.wpe(), positions));
   return tied_head_logits(tr.ln_f(tr.h(x)), wte, config_.vocab_size, tp_);
 }
 

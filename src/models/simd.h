@@ -1,11 +1,13 @@
 #pragma once
-// AVX2 pieces shared by the fused kernels of this area (gelu.cpp, cross_entropy.cpp): loads and
-// stores of 8 float or bf16 elements as floats, and exp. Each function carries its instruction set
-// in a target attribute (the library is built for baseline x86-64); callers run them only where
-// models::detail::fused_simd() says so. Internal to ztrain.
+// Pieces shared by the fused kernels of this area (gelu.cpp, cross_entropy.cpp, dropout.cpp): which
+// tensors they take, and in AVX2 loads and stores of 8 float or bf16 elements as floats, and exp.
+// Each AVX2 function carries its instruction set in a target attribute (the library is built for
+// baseline x86-64); callers run them only where models::detail::fused_simd() says so. Internal to
+// ztrain.
 
 #include "../bf16_avx2.h"
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
@@ -14,6 +16,15 @@
 #define ZTRAIN_AVX2 __attribute__((target("avx2,fma")))
 
 namespace ztrain::models::detail::simd {
+
+/// Whether the fused kernels take a tensor: a strided float or bf16 one on the CPU.
+inline bool float_or_bf16_on_cpu(const at::Tensor& x) {
+  return x.device().is_cpu() && x.layout() == at::kStrided &&
+         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
 /// Whether this CPU runs the AVX2 + FMA code below.
 inline bool avx2_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }

@@ -1,10 +1,14 @@
 // The fused kernels against libtorch: GELU (tanh) against torch::gelu(x, "tanh") and
 // cross-entropy against torch::nn::functional::cross_entropy — values, gradients (first and
-// second order), bf16, the scalar and AVX2 code, tails, and the fallbacks.
+// second order), bf16, the scalar and AVX2 code, tails, and the fallbacks; dropout against
+// Philox4x32-10's published answers, the mask its header describes, and the statistics of a
+// Bernoulli mask.
 
 #include "test_util.h"
 
 #include <ztrain/models/fused.h>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
 #include <limits>
@@ -195,6 +199,149 @@ TEST(CrossEntropy, OtherDtypesAreLibtorchs) {
   auto [logits, targets] = logits_and_targets(4, 10);
   const auto d = logits.to(torch::kDouble);
   EXPECT_TRUE(torch::equal(cross_entropy(d, targets), F::cross_entropy(d, targets)));
+}
+
+// ---- dropout -------------------------------------------------------------------------------------
+
+// Random123's known answers for Philox4x32-10 (its kat_vectors): counter, key, result.
+TEST(Dropout, PhiloxGivesThePublishedAnswers) {
+  using models::detail::philox4x32_10;
+  using W = std::array<uint32_t, 4>;
+  EXPECT_EQ(philox4x32_10({0, 0, 0, 0}, {0, 0}), (W{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
+  EXPECT_EQ(philox4x32_10({~0u, ~0u, ~0u, ~0u}, {~0u, ~0u}), (W{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
+  EXPECT_EQ(philox4x32_10({0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}, {0xa4093822, 0x299f31d0}),
+            (W{0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}));
+}
+
+// The mask fused.h describes, from the seed the default generator gives after manual_seed(seed):
+// element e is dropped when word e % 32 / 8 of counter 8 · (e / 32) + e % 8 is below round(p · 2³²).
+torch::Tensor expected_keep(uint64_t seed, int64_t n, double p) {
+  const uint64_t key = at::detail::createCPUGenerator(seed).get<at::CPUGeneratorImpl>()->random64();
+  const auto threshold = static_cast<uint32_t>(std::round(std::ldexp(p, 32)));
+  auto keep = torch::empty({n}, torch::kBool);
+  for (int64_t e = 0; e < n; ++e) {
+    const uint64_t counter = 8 * static_cast<uint64_t>(e / 32) + e % 8;
+    const auto words = models::detail::philox4x32_10(
+        {static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), 0, 0},
+        {static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32)});
+    keep[e] = words[e % 32 / 8] >= threshold;
+  }
+  return keep;
+}
+
+TEST(Dropout, TheMaskIsTheDocumentedOneInEveryKernel) {
+  in_every_kernel([] {
+    for (int64_t n : {1, 7, 31, 32, 33, 1000}) {
+      torch::manual_seed(42);
+      const auto y = models::dropout(torch::ones({n}), 0.3, true);
+      const auto keep = expected_keep(42, n, 0.3);
+      const float scale = static_cast<float>(1.0 / 0.7);
+      EXPECT_TRUE(torch::equal(y, torch::where(keep, torch::full({n}, scale), torch::zeros({n})))) << n;
+    }
+  });
+}
+
+TEST(Dropout, KeptElementsEqualLibtorchsAndTheRateIsP) {
+  in_every_kernel([] {
+    const int64_t n = 1 << 20;
+    for (double p : {0.1, 0.5, 0.9}) {
+      for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+        torch::manual_seed(3);
+        const auto x = torch::randn({n}).to(dtype);
+        const auto y = models::dropout(x, p, true);
+        ASSERT_EQ(y.scalar_type(), dtype);
+        const auto kept = y != 0;  // randn has no exact zeros here
+        // The same product libtorch's dropout takes: x times 1 / (1 − p) as a float, rounded once.
+        const auto want = (x.to(torch::kFloat) * static_cast<float>(1.0 / (1.0 - p))).to(dtype);
+        EXPECT_TRUE(torch::equal(y.masked_select(kept), want.masked_select(kept))) << p << " " << dtype;
+        // The dropped fraction within 5 standard deviations of p, overall and in each pair of
+        // neighbours (a mask repeated across lanes or words would skew the pairs).
+        const double sd = std::sqrt(p * (1 - p) / n);
+        EXPECT_NEAR(1.0 - kept.to(torch::kDouble).mean().item<double>(), p, 5 * sd) << p << " " << dtype;
+        const auto a = kept.slice(0, 0, n, 2).to(torch::kLong), b = kept.slice(0, 1, n, 2).to(torch::kLong);
+        const auto pairs = torch::bincount(a * 2 + b, {}, 4).to(torch::kDouble) / (n / 2);
+        const double q = 1 - p;
+        const double want_pairs[4] = {p * p, p * q, q * p, q * q};
+        for (int c = 0; c < 4; ++c) {
+          const double sd_pair = std::sqrt(want_pairs[c] * (1 - want_pairs[c]) / (n / 2));
+          EXPECT_NEAR(pairs[c].item<double>(), want_pairs[c], 5 * sd_pair) << p << " pair " << c;
+        }
+      }
+    }
+  });
+}
+
+TEST(Dropout, EveryElementGetsTheSameMaskWhateverTheSplit) {
+  const auto x = torch::randn({100003});
+  std::vector<torch::Tensor> outs;
+  in_every_kernel([&] {
+    for (int threads : {1, 2}) {
+      at::set_num_threads(threads);
+      torch::manual_seed(5);
+      outs.push_back(models::dropout(x, 0.25, true));
+    }
+  });
+  at::set_num_threads(1);
+  for (size_t i = 1; i < outs.size(); ++i) EXPECT_TRUE(torch::equal(outs[i], outs[0])) << i;
+  torch::manual_seed(5);
+  EXPECT_TRUE(torch::equal(models::dropout(x.slice(0, 0, 77), 0.25, true), outs[0].slice(0, 0, 77)));  // a prefix
+}
+
+TEST(Dropout, BackwardAppliesTheForwardsMask) {
+  in_every_kernel([] {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      auto x = torch::ones({4099}).to(dtype).requires_grad_();
+      torch::manual_seed(8);
+      const auto y = models::dropout(x, 0.4, true);
+      const auto dy = torch::randn({4099}).to(dtype);
+      y.backward(dy);
+      const auto scaled = (dy.to(torch::kFloat) * static_cast<float>(1.0 / 0.6)).to(dtype);
+      EXPECT_TRUE(torch::equal(x.grad(), torch::where(y.detach() != 0, scaled, torch::zeros_like(scaled)))) << dtype;
+    }
+  });
+}
+
+TEST(Dropout, SeedsComeFromTheDefaultGenerator) {
+  const auto x = torch::randn({1000});
+  torch::manual_seed(9);
+  const auto a = models::dropout(x, 0.5, true), b = models::dropout(x, 0.5, true);
+  EXPECT_FALSE(torch::equal(a, b)) << "two calls drew the same mask";
+  torch::manual_seed(9);
+  EXPECT_TRUE(torch::equal(models::dropout(x, 0.5, true), a));
+}
+
+TEST(Dropout, SecondDerivativeThroughTheMask) {
+  auto x = torch::randn({300}).requires_grad_();
+  auto dy = torch::randn({300}).requires_grad_();
+  torch::manual_seed(4);
+  const auto y = models::dropout(x, 0.5, true);
+  const auto g = torch::autograd::grad({y}, {x}, {dy}, true, true)[0];
+  ASSERT_TRUE(g.requires_grad());
+  g.sum().backward();
+  EXPECT_TRUE(torch::equal(dy.grad(), torch::where(y != 0, torch::full({300}, 2.0f), torch::zeros({300}))));
+}
+
+TEST(Dropout, NaNStaysNaNWhereDropped) {
+  const auto y = models::dropout(torch::full({64}, std::numeric_limits<float>::quiet_NaN()), 0.5, true);
+  EXPECT_TRUE(y.isnan().all().item<bool>());
+}
+
+TEST(Dropout, IdentityOutsideTrainingAndLibtorchsElsewhere) {
+  const auto x = torch::randn({8, 16}).t();  // non-contiguous
+  EXPECT_TRUE(models::dropout(x, 0.5, false).is_same(x));
+  EXPECT_TRUE(models::dropout(x, 0.0, true).is_same(x));
+  EXPECT_TRUE(torch::equal(models::dropout(x, 1.0, true), torch::zeros_like(x)));
+  torch::manual_seed(1);
+  const auto y = models::dropout(x, 0.5, true);
+  EXPECT_EQ(y.sizes(), x.sizes());
+  EXPECT_TRUE(torch::equal(y.masked_select(y != 0), (x * 2.0f).masked_select(y != 0)));
+  const auto d = torch::randn({1000}, torch::kDouble);  // another dtype: libtorch's dropout
+  torch::manual_seed(1);
+  const auto yd = models::dropout(d, 0.5, true);
+  torch::manual_seed(1);
+  EXPECT_TRUE(torch::equal(yd, torch::dropout(d, 0.5, true)));
+  EXPECT_NE(error_message([&] { models::dropout(x, 1.5, true); }).find("probability must be in [0, 1], got 1.5"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #pragma once
 /// Fused CPU kernels for a transformer's element-wise hot spots, drop-ins for the libtorch calls
 /// they replace: each does in one pass over memory, with AVX2, what libtorch's CPU kernels do in
-/// several. The GPT model (models/gpt.h) uses both; any model may.
+/// several. The GPT model (models/gpt.h) uses all three; any model may.
 ///
 /// GELU with the tanh approximation (GPT-2's "gelu_new"):
 ///
@@ -17,18 +17,34 @@
 /// incoming gradient over the count, in one pass. libtorch writes the whole log-softmax in forward,
 /// then a zero-filled gradient, a scatter into it, and the log-softmax backward.
 ///
-/// Results agree with libtorch's to a few float ulps, not bit for bit (the exponential is this
-/// library's own). float tensors, and for GELU bf16 ones too (computed in float, rounded once to
-/// nearest even), on the CPU take the fused path; any other dtype or device, and a backward that
-/// builds a graph (create_graph, for double backward), use libtorch's, so the functions are
-/// drop-ins everywhere.
+/// Dropout draws its masks with a counter-based generator (Philox4x32-10) in one pass that also
+/// scales, and keeps only a 64-bit seed for backward, no mask; libtorch's CPU dropout draws each
+/// element with bernoulli_ (about 11 ns an element on a Zen core, 15× its multiply) and keeps a
+/// mask of the input's size. The seed is one draw from the default CPU generator, so
+/// torch::manual_seed, recomputation (which restores that generator) and tensor-parallel trackers
+/// (which swap its state) govern it as they govern libtorch's; the masks are not libtorch's.
+///
+/// GELU and cross-entropy agree with libtorch's to a few float ulps, not bit for bit (the
+/// exponential is this library's own); a kept element of dropout equals libtorch's bit for bit.
+/// float tensors, and for GELU and dropout bf16 ones too (computed in float, rounded once to
+/// nearest even), on the CPU take the fused path; any other dtype or device uses libtorch's, and so
+/// does a backward that builds a graph (create_graph, for double backward) of GELU and
+/// cross-entropy, so the functions are drop-ins everywhere.
 
 #include <torch/torch.h>
+
+#include <array>
+#include <cstdint>
 
 namespace ztrain::models {
 
 /// torch::gelu(x, "tanh"), fused where it can be.
 torch::Tensor gelu_tanh(const torch::Tensor& x);
+
+/// torch::dropout(x, p, train), fused where it can be: zeros each element with probability p and
+/// scales the others by 1 / (1 − p) when training; x itself when not, or when p is 0. p outside
+/// [0, 1] is an error naming it.
+torch::Tensor dropout(const torch::Tensor& x, double p, bool train);
 
 /// torch::nn::functional::cross_entropy(logits, targets) for logits [N, V] and targets [N] with
 /// the mean reduction, fused where it can be. Targets outside [0, V) other than ignore_index are
@@ -41,6 +57,9 @@ namespace detail {
 /// AVX2 on a CPU without it is an error.
 bool fused_simd();
 void set_fused_simd(bool on);
+
+/// Philox4x32-10 on one counter under one key, as dropout's masks use it (dropout.cpp).
+std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
 }  // namespace detail
 
 }  // namespace ztrain::models

@@ -57,14 +57,18 @@ struct GptConfig {
   int64_t d_model = 128;
   int64_t n_layer = 4;
   int64_t n_head = 4;
-  double dropout = 0.0;  // embeddings, attention probabilities, residual branches
+  /// Embeddings, attention probabilities, residual branches; on the CPU through the fused
+  /// dropout (models/fused.h).
+  double dropout = 0.0;
   double layer_norm_eps = 1e-5;
   /// The parameters' and activations' dtype: fp32 or bf16 (optimizers keep fp32 masters).
   c10::ScalarType dtype = c10::ScalarType::Float;
   /// Attention through libtorch's fused scaled_dot_product_attention (flash or memory-efficient
   /// kernels where the device and dtype have one: the score matrix is never materialised), or,
   /// when false, the eager product, softmax and product (the form a reference writes out).
-  /// The same arithmetic up to float rounding; not stored in model files.
+  /// The same arithmetic up to float rounding; not stored in model files. On the CPU, attention
+  /// with dropout (when training) takes the eager form: libtorch's CPU kernels have no dropout
+  /// of their own, and its fallback draws the masks slowly.
   bool fused_attention = true;
 
   /// "tiny", "small", "medium", "gpt2" (124M: vocab 50257, context 1024, 12 × 768, 12 heads).
