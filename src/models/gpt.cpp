@@ -107,11 +107,13 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   if (fused && (p == 0 || !x.device().is_cpu())) {
     y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, p, /*is_causal=*/true);
   } else {
-    auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-    auto causal = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
-    scores = scores.masked_fill(causal, -std::numeric_limits<float>::infinity());
-    auto probs = torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type());
-    y = torch::matmul(dropped(attn_dropout, probs), qkv[2]);
+    // Scores = causal + q kᵀ / √hd in one batched gemm: -inf above the diagonal, and no pass of
+    // their own for the scale and the mask, forward or backward.
+    const auto causal = torch::full({t, t}, -std::numeric_limits<float>::infinity(), x.options()).triu(1);
+    const auto q = qkv[0].reshape({-1, t, hd}), k = qkv[1].reshape({-1, t, hd}), v = qkv[2].reshape({-1, t, hd});
+    const auto scores = torch::baddbmm(causal, q, k.transpose(1, 2), 1.0, 1.0 / std::sqrt(static_cast<double>(hd)));
+    const auto probs = torch::softmax(scores, -1, torch::kFloat32).to(x.scalar_type());
+    y = torch::bmm(dropped(attn_dropout, probs), v).view({b, -1, t, hd});
   }
   split_rng.reset();
   return dropped(resid_dropout, c_proj(y.transpose(1, 2).reshape({b, t, n_head * hd})));
