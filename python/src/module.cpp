@@ -4,6 +4,7 @@
 #include <ztrain/ckpt/checkpoint.h>
 #include <ztrain/ckpt/model_file.h>
 #include <ztrain/ckpt/optimizer_state.h>
+#include <ztrain/models/fused.h>
 #include <ztrain/optim/adam.h>
 #include <ztrain/optim/adam_offload.h>
 #include <ztrain/optim/optim_manager.h>
@@ -304,6 +305,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("seed"), py::arg("tp_size"), py::arg("pp_size"), py::arg("timeout"), py::arg("device"),
       py::arg("threads"), py::arg("backend"), release());
   m.def("is_initialized", &zt::is_initialized);
+  // The fused CPU kernels of models/fused.h (ztrain.nn.dropout, gelu_tanh, cross_entropy).
+  m.def("_dropout", &zt::models::dropout, release());
+  m.def("_gelu_tanh", &zt::models::gelu_tanh, release());
+  m.def("_cross_entropy", &zt::models::cross_entropy, release());
   m.def("finalize_distributed", &zt::finalize_distributed, release());
   m.def("rank", [] { return zt::rank(); });
   m.def("world_size", [] { return zt::world_size(); });

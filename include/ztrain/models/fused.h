@@ -19,7 +19,7 @@
 ///
 /// Dropout draws its masks with a counter-based generator (Philox4x32-10) in one pass that also
 /// scales, and keeps only a 64-bit seed for backward, no mask; libtorch's CPU dropout draws each
-/// element with bernoulli_ (about 11 ns an element on a Zen core, 15× its multiply) and keeps a
+/// element with bernoulli_ (about 11 ns an element on a Zen core, 14× its multiply) and keeps a
 /// mask of the input's size. The seed is one draw from the default CPU generator, so
 /// torch::manual_seed, recomputation (which restores that generator) and tensor-parallel trackers
 /// (which swap its state) govern it as they govern libtorch's; the masks are not libtorch's.

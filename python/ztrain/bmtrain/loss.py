@@ -9,7 +9,7 @@ same loss."""
 import torch
 
 from .. import _C
-from ..nn import vocab_parallel_losses
+from ..nn import cross_entropy, vocab_parallel_losses
 
 
 class FusedCrossEntropy(torch.nn.Module):
@@ -27,6 +27,9 @@ class FusedCrossEntropy(torch.nn.Module):
 
     def forward(self, input, target):
         if not self.parallel:
+            if (self.weight is None and self.reduction == "mean" and not self.label_smoothing and input.dim() == 2
+                    and target.shape == input.shape[:1]):
+                return cross_entropy(input.float(), target, self.ignore_index)  # the fused kernel
             weight = None if self.weight is None else self.weight.float()
             return torch.nn.functional.cross_entropy(input.float(), target.long(), weight=weight,
                                                      ignore_index=self.ignore_index, reduction=self.reduction,

@@ -1,0 +1,73 @@
+"""ztrain.nn's fused CPU kernels against the torch functions they replace, side by side in one
+process: nanoseconds an element, forward alone and forward with backward, the median of --repeats
+timings of --calls calls each.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=build/python .venv/bin/python bench/fused_bench.py
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ztrain
+
+
+def per_element(fn, n, calls, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) / n * 1e9
+
+
+def with_backward(op, x, grad):
+    leaf = x.detach().requires_grad_()
+
+    def run():
+        leaf.grad = None
+        op(leaf).backward(grad)
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--p", type=float, default=0.1, help="dropout probability")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    vocab = 50257
+    cases = [  # name, input, ztrain's op, torch's op
+        ("dropout 2^20", torch.randn(1 << 20),
+         lambda x: ztrain.nn.dropout(x, args.p), lambda x: F.dropout(x, args.p)),
+        ("dropout, attention map 2x12x256x256", torch.randn(2, 12, 256, 256),
+         lambda x: ztrain.nn.dropout(x, args.p), lambda x: F.dropout(x, args.p)),
+        ("dropout bf16 2^20", torch.randn(1 << 20).bfloat16(),
+         lambda x: ztrain.nn.dropout(x, args.p), lambda x: F.dropout(x, args.p)),
+        ("gelu_tanh 512x3072", torch.randn(512, 3072),
+         ztrain.nn.gelu_tanh, lambda x: F.gelu(x, approximate="tanh")),
+    ]
+    targets = torch.randint(vocab, (512,))
+    cases.append(("cross_entropy 512x50257", torch.randn(512, vocab),
+                  lambda x: ztrain.nn.cross_entropy(x, targets), lambda x: F.cross_entropy(x, targets)))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); ns an element, "
+          f"median of {args.repeats} x {args.calls} calls")
+    print(f"{'kernel':38} {'ztrain':>8} {'torch':>8} {'ratio':>6} | {'fwd+bwd':>8} {'torch':>8} {'ratio':>6}")
+    for name, x, ours, theirs in cases:
+        n = x.numel()
+        grad = torch.ones(()) if name.startswith("cross_entropy") else torch.randn_like(x)
+        fwd = [per_element(lambda op=op: op(x), n, args.calls, args.repeats) for op in (ours, theirs)]
+        both = [per_element(with_backward(op, x, grad), n, args.calls, args.repeats) for op in (ours, theirs)]
+        print(f"{name:38} {fwd[0]:8.2f} {fwd[1]:8.2f} {fwd[1] / fwd[0]:6.1f} | "
+              f"{both[0]:8.2f} {both[1]:8.2f} {both[1] / both[0]:6.1f}")
+    mul = torch.randn(1 << 20)
+    print(f"{'(a multiply of 2^20 floats)':38} {per_element(lambda: mul * 2, mul.numel(), args.calls, args.repeats):8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""ztrain.nn's fused CPU kernels against torch: dropout (a Bernoulli mask at rate p, kept elements
+scaled as torch scales them, backward through the same mask, torch's generator as the source),
+the tanh GELU and cross-entropy (values and gradients to a few ulps), and torch's own functions
+where no kernel takes the input."""
+import math
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+import ztrain
+
+
+class Dropout(unittest.TestCase):
+    def test_rate_and_kept_values(self):
+        n = 1 << 20
+        for p in (0.1, 0.5):
+            for dtype in (torch.float32, torch.bfloat16):
+                with self.subTest(p=p, dtype=dtype):
+                    torch.manual_seed(1)
+                    x = torch.randn(n).to(dtype)
+                    y = ztrain.nn.dropout(x, p)
+                    kept = y != 0
+                    self.assertLess(abs((1 - kept.double().mean().item()) - p), 5 * math.sqrt(p * (1 - p) / n))
+                    want = (x.float() * (1 / (1 - p))).to(dtype)  # torch's product: x times the float scale
+                    self.assertTrue(torch.equal(y[kept], want[kept]))
+
+    def test_backward_uses_the_forwards_mask(self):
+        x = torch.randn(4096, requires_grad=True)
+        torch.manual_seed(2)
+        y = ztrain.nn.dropout(x, 0.3)
+        dy = torch.randn(4096)
+        y.backward(dy)
+        self.assertTrue(torch.equal(x.grad, torch.where(y != 0, dy * (1 / 0.7), torch.zeros(()))))
+
+    def test_torch_manual_seed_decides_the_mask(self):
+        x = torch.randn(1000)
+        torch.manual_seed(3)
+        a, b = ztrain.nn.dropout(x, 0.5), ztrain.nn.dropout(x, 0.5)
+        self.assertFalse(torch.equal(a, b))
+        torch.manual_seed(3)
+        self.assertTrue(torch.equal(ztrain.nn.dropout(x, 0.5), a))
+
+    def test_module_follows_train_and_eval(self):
+        layer = ztrain.nn.Dropout(0.5)
+        x = torch.randn(64, 32)
+        self.assertFalse(torch.equal(layer(x), x))
+        layer.eval()
+        self.assertIs(layer(x), x)
+        self.assertEqual(repr(layer), "Dropout(p=0.5, inplace=False)")
+
+    def test_other_dtypes_are_torchs_and_bad_p_is_named(self):
+        x = torch.randn(1000, dtype=torch.float64)
+        torch.manual_seed(4)
+        a = ztrain.nn.dropout(x, 0.5)
+        torch.manual_seed(4)
+        self.assertTrue(torch.equal(a, F.dropout(x, 0.5)))
+        with self.assertRaisesRegex(ztrain.Error, r"probability must be in \[0, 1\], got 1.5"):
+            ztrain.nn.dropout(x.float(), 1.5)
+
+
+class GeluAndCrossEntropy(unittest.TestCase):
+    def test_gelu_tanh(self):
+        x = (torch.randn(10007) * 4).requires_grad_()
+        y = ztrain.nn.gelu_tanh(x)
+        y.backward(torch.ones_like(y))
+        xd = x.detach().double().requires_grad_()
+        F.gelu(xd, approximate="tanh").sum().backward()
+        self.assertLess((y.double() - F.gelu(xd.detach(), approximate="tanh")).abs().max().item(), 1e-6)
+        self.assertLess((x.grad.double() - xd.grad).abs().max().item(), 1e-5)
+
+    def test_cross_entropy(self):
+        logits = (torch.randn(37, 501) * 5).requires_grad_()
+        target = torch.randint(501, (37,))
+        target[3] = -100
+        loss = ztrain.nn.cross_entropy(logits, target)
+        loss.backward()
+        ld = logits.detach().double().requires_grad_()
+        want = F.cross_entropy(ld, target)
+        want.backward()
+        self.assertAlmostEqual(loss.item(), want.item(), places=5)
+        self.assertLess((logits.grad.double() - ld.grad).abs().max().item(), 1e-6)
+        self.assertTrue(torch.equal(logits.grad[3], torch.zeros(501)))
+        with self.assertRaisesRegex(ztrain.Error, "logits of \\(rows, classes\\)"):
+            ztrain.nn.cross_entropy(logits, target[:5])
+
+
+def init_distributed():
+    """The runtime this file's tests run in (conftest.py calls it under pytest)."""
+    ztrain.init_distributed(seed=0)
+
+
+if __name__ == "__main__":
+    init_distributed()
+    unittest.main()
