@@ -16,11 +16,11 @@
 // ------------
 // Whether element e of a tensor is kept depends only on a 64-bit seed and e, through the
 // counter-based generator Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
-// 1, 2, 3", SC 2011; the generator behind PyTorch's and JAX's dropout on GPUs). The elements go in
+// 1, 2, 3", SC 2011; cuRAND's Philox, behind PyTorch's dropout on CUDA GPUs). The elements go in
 // blocks of 32: block B runs Philox on the 8 counters 8B … 8B + 7 under the key `seed`, and word j
 // of counter 8B + l decides element 32B + 8j + l, so that in the AVX2 code the 8 counters sit in
 // the lanes of 4 registers and register j holds the words of 8 consecutive elements. Element e is
-// dropped when its word u is below the threshold round(p · 2³²), so with probability p to 2⁻³².
+// dropped when its word u is below the threshold round(p · 2³²): with probability p, to 2⁻³³.
 //
 // Forward draws the seed from the default CPU generator (one draw a call, under its lock) and
 // keeps only the seed: backward applies the same mask to the gradient, and recomputation, which

@@ -67,8 +67,8 @@ struct GptConfig {
   /// kernels where the device and dtype have one: the score matrix is never materialised), or,
   /// when false, the eager product, softmax and product (the form a reference writes out).
   /// The same arithmetic up to float rounding; not stored in model files. On the CPU, attention
-  /// with dropout (when training) takes the eager form: libtorch's CPU kernels have no dropout
-  /// of their own, and its fallback draws the masks slowly.
+  /// with dropout (when training) takes the eager form: there libtorch's attention is its unfused
+  /// fallback, which draws the masks slowly.
   bool fused_attention = true;
 
   /// "tiny", "small", "medium", "gpt2" (124M: vocab 50257, context 1024, 12 × 768, 12 heads).
