@@ -173,7 +173,7 @@ torch::Tensor apply_mask(const torch::Tensor& input, uint64_t seed, double p) {
   const Mask m = mask_of(seed, p);
   const int64_t n = x.numel();
   const bool simd = detail::fused_simd();
-  auto run = [&]<class T>(T) {
+  detail::simd::for_type(x.scalar_type(), [&]<class T>(T) {
     const T* px = x.data_ptr<T>();
     T* py = y.data_ptr<T>();
     at::parallel_for(0, (n + kBlock - 1) / kBlock, kGrainBlocks, [&](int64_t begin, int64_t end) {
@@ -183,12 +183,7 @@ torch::Tensor apply_mask(const torch::Tensor& input, uint64_t seed, double p) {
         apply_scalar(m, px, py, begin, end, n);
       }
     });
-  };
-  if (x.scalar_type() == torch::kFloat) {
-    run(float{});
-  } else {
-    run(c10::BFloat16{});
-  }
+  });
   return y;
 }
 

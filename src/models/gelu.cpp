@@ -104,22 +104,12 @@ ZTRAIN_AVX2 void backward_avx2(const T* dy, const T* x, T* dx, int64_t n) {
 
 // ---- dispatch ----------------------------------------------------------------------------------
 
-// fn(T{}) with T the element type of a tensor that takes the fused path.
-template <class Fn>
-void for_type(torch::ScalarType type, Fn&& fn) {
-  if (type == torch::kFloat) {
-    fn(float{});
-  } else {
-    fn(c10::BFloat16{});
-  }
-}
-
 torch::Tensor fused_forward(const torch::Tensor& input) {
   RECORD_FUNCTION("ztrain::gelu_tanh", std::vector<c10::IValue>({input}));
   const auto x = input.contiguous();
   auto y = torch::empty_like(x);
   const bool simd = detail::fused_simd();
-  for_type(x.scalar_type(), [&]<class T>(T) {
+  detail::simd::for_type(x.scalar_type(), [&]<class T>(T) {
     const T* px = x.data_ptr<T>();
     T* py = y.data_ptr<T>();
     at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
@@ -138,7 +128,7 @@ torch::Tensor fused_backward(const torch::Tensor& grad, const torch::Tensor& inp
   const auto x = input.contiguous(), dy = grad.contiguous().to(x.scalar_type());
   auto dx = torch::empty_like(x);
   const bool simd = detail::fused_simd();
-  for_type(x.scalar_type(), [&]<class T>(T) {
+  detail::simd::for_type(x.scalar_type(), [&]<class T>(T) {
     const T *px = x.data_ptr<T>(), *pg = dy.data_ptr<T>();
     T* pdx = dx.data_ptr<T>();
     at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {

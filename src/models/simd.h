@@ -23,6 +23,16 @@ inline bool float_or_bf16_on_cpu(const at::Tensor& x) {
          (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
 }
 
+/// fn(T{}) with T the element type of a tensor that float_or_bf16_on_cpu takes.
+template <class Fn>
+void for_type(at::ScalarType type, Fn&& fn) {
+  if (type == at::kFloat) {
+    fn(float{});
+  } else {
+    fn(c10::BFloat16{});
+  }
+}
+
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
