@@ -305,7 +305,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("seed"), py::arg("tp_size"), py::arg("pp_size"), py::arg("timeout"), py::arg("device"),
       py::arg("threads"), py::arg("backend"), release());
   m.def("is_initialized", &zt::is_initialized);
-  // The fused CPU kernels of models/fused.h (ztrain.nn.dropout, gelu_tanh, cross_entropy).
+  // The fused CPU kernels of models/fused.h (ztrain.nn.dropout, gelu_tanh, cross_entropy,
+  // scaled_dot_product_attention).
+  m.def("_attention", &zt::models::attention, release());
   m.def("_dropout", &zt::models::dropout, release());
   m.def("_gelu_tanh", &zt::models::gelu_tanh, release());
   m.def("_cross_entropy", &zt::models::cross_entropy, release());

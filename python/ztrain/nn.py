@@ -251,6 +251,16 @@ def dropout(input, p=0.5, training=True):
     return _C._dropout(input, float(p), bool(training))
 
 
+def scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False):
+    """torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p,
+    is_causal=is_causal) without a mask, for (batch, heads, tokens, head size) tensors: on the
+    CPU in float it works a block of 64 queries at a time and keeps only each query's log-sum-exp
+    for backward, with the dropout of ztrain.nn.dropout applied to the probabilities inside the
+    block (torch's CPU attention with dropout materialises them and draws with bernoulli_). The
+    output is a view of a (batch, tokens, heads, head size) tensor."""
+    return _C._attention(query, key, value, float(dropout_p), bool(is_causal))
+
+
 class Dropout(torch.nn.Dropout):
     """torch.nn.Dropout through ztrain.nn.dropout (not in place)."""
 

@@ -27,10 +27,12 @@ namespace ztrain::models {
 namespace {
 
 using detail::simd::exp8;
+using detail::simd::hmax;
+using detail::simd::hsum;
+using detail::simd::kMinusInf;
 using detail::simd::load8;
 using detail::simd::store8;
 
-constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // ---- scalar ------------------------------------------------------------------------------------
 
@@ -47,18 +49,6 @@ void row_grad_scalar(const float* l, float lse, float scale, float* out, int64_t
 }
 
 // ---- AVX2 --------------------------------------------------------------------------------------
-
-ZTRAIN_AVX2 inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
-ZTRAIN_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
 
 // The last v % 8 elements of a row, padded with −inf.
 ZTRAIN_AVX2 inline __m256 load_tail(const float* l, int64_t n) {

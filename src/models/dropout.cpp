@@ -156,6 +156,20 @@ ZTRAIN_AVX2 void apply_avx2(const Mask& m, const T* x, T* y, int64_t begin_block
   }
 }
 
+// The 32 factors of block b (0 or the scale), in element order.
+void block_factors_scalar(const Mask& m, uint64_t b, float* f) {
+  uint32_t words[kBlock];
+  block_words(m, b, words);
+  for (int64_t i = 0; i < kBlock; ++i) f[i] = words[i] < m.threshold ? 0.0f : m.scale;
+}
+
+ZTRAIN_AVX2 void block_factors_avx2(const Mask& m, uint64_t b, float* f) {
+  const __m256i threshold = _mm256_set1_epi32(static_cast<int>(m.threshold ^ 0x80000000u));
+  __m256i words[4];
+  block_words8(m, b, words);
+  for (int j = 0; j < 4; ++j) store8(f + 8 * j, factors8(words[j], threshold, _mm256_set1_ps(m.scale)));
+}
+
 // ---- the operation -----------------------------------------------------------------------------
 
 Mask mask_of(uint64_t seed, double p) {
@@ -187,16 +201,36 @@ torch::Tensor apply_mask(const torch::Tensor& input, uint64_t seed, double p) {
   return y;
 }
 
-uint64_t draw_seed() {
+}  // namespace
+
+uint64_t detail::dropout_seed() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
 }
 
+void detail::dropout_factors(uint64_t seed, double p, int64_t first, int64_t n, float* out) {
+  const Mask m = mask_of(seed, p);
+  const auto block_factors = fused_simd() ? block_factors_avx2 : block_factors_scalar;
+  for (int64_t e = first; e < first + n;) {
+    const int64_t b = e / kBlock, from = e - b * kBlock, to = std::min(kBlock, first + n - b * kBlock);
+    if (from == 0 && to == kBlock) {
+      block_factors(m, static_cast<uint64_t>(b), out + (e - first));
+    } else {  // a block the range starts or ends inside
+      float f[kBlock];
+      block_factors(m, static_cast<uint64_t>(b), f);
+      std::memcpy(out + (e - first), f + from, (to - from) * sizeof(float));
+    }
+    e = b * kBlock + to;
+  }
+}
+
+namespace {
+
 struct FusedDropout : torch::autograd::Function<FusedDropout> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, double p) {
     RECORD_FUNCTION("ztrain::dropout", std::vector<c10::IValue>({x}));
-    const uint64_t seed = draw_seed();
+    const uint64_t seed = detail::dropout_seed();
     ctx->saved_data["seed"] = static_cast<int64_t>(seed);
     ctx->saved_data["p"] = p;
     return apply_mask(x, seed, p);

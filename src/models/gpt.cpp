@@ -102,10 +102,12 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   if (n_head * hd < x.size(-1)) split_rng.emplace(x.device());
   const double p = is_training() ? attn_dropout->options.p() : 0.0;
   torch::Tensor y;
-  // With dropout, libtorch's CPU attention is its unfused path, which draws the masks with
-  // bernoulli_: the path below computes the same with the fused dropout, in less time.
-  if (fused && (p == 0 || !x.device().is_cpu())) {
-    y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, p, /*is_causal=*/true);
+  // models::attention is libtorch's scaled_dot_product_attention where its own kernel does not
+  // take the tensors (anything but float on the CPU). libtorch's CPU attention with dropout is its
+  // unfused path, which draws the masks with bernoulli_, so there bf16 with dropout takes the
+  // eager path below, which computes the same with the fused dropout in less time.
+  if (fused && (p == 0 || !x.device().is_cpu() || x.scalar_type() == torch::kFloat)) {
+    y = models::attention(qkv[0], qkv[1], qkv[2], p, /*causal=*/true);
   } else {
     // Scores = causal + q kᵀ / √hd in one batched gemm: -inf above the diagonal, and no pass of
     // their own for the scale and the mask, forward or backward.

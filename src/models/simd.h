@@ -1,6 +1,7 @@
 #pragma once
-// Pieces shared by the fused kernels of this area (gelu.cpp, cross_entropy.cpp, dropout.cpp): which
-// tensors they take, and in AVX2 loads and stores of 8 float or bf16 elements as floats, and exp.
+// Pieces shared by the fused kernels of this area (gelu.cpp, cross_entropy.cpp, dropout.cpp,
+// attention.cpp): which tensors they take, and in AVX2 loads and stores of 8 float or bf16
+// elements as floats, a register's largest element and sum, and exp.
 // Each AVX2 function carries its instruction set in a target attribute (the library is built for
 // baseline x86-64); callers run them only where models::detail::fused_simd() says so. Internal to
 // ztrain.
@@ -12,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <limits>
 
 #define ZTRAIN_AVX2 __attribute__((target("avx2,fma")))
 
@@ -36,6 +38,8 @@ void for_type(at::ScalarType type, Fn&& fn) {
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
 /// Whether this CPU runs the AVX2 + FMA code below.
 inline bool avx2_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
@@ -51,6 +55,19 @@ ZTRAIN_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 /// Rounds to nearest even, as c10::BFloat16 does.
 ZTRAIN_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
   ztrain::detail::avx2_store_bf16(reinterpret_cast<uint16_t*>(p), v);
+}
+
+/// The largest and the sum of a register's 8 floats.
+ZTRAIN_AVX2 inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+ZTRAIN_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
 /// e^z, within 2 ulps of std::exp where the result is a normal float (|z| ≤ 87): Cody–Waite

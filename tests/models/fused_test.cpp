@@ -2,7 +2,8 @@
 // cross-entropy against torch::nn::functional::cross_entropy — values, gradients (first and
 // second order), bf16, the scalar and AVX2 code, tails, and the fallbacks; dropout against
 // Philox4x32-10's published answers, the mask its header describes, and the statistics of a
-// Bernoulli mask.
+// Bernoulli mask; attention against libtorch's in double and the materialised attention with the
+// fused dropout.
 
 #include "test_util.h"
 
@@ -341,6 +342,126 @@ TEST(Dropout, IdentityOutsideTrainingAndLibtorchsElsewhere) {
   torch::manual_seed(1);
   EXPECT_TRUE(torch::equal(yd, torch::dropout(d, 0.5, true)));
   EXPECT_NE(error_message([&] { models::dropout(x, 1.5, true); }).find("probability must be in [0, 1], got 1.5"),
+            std::string::npos);
+}
+
+
+// ---- attention -----------------------------------------------------------------------------------
+
+const char* const kOutputs[] = {"output", "dq", "dk", "dv"};
+
+// q, k, v of [b, h, t, d] as GPT makes them: views of one [b, t, 3, h, d] leaf.
+std::pair<torch::Tensor, std::vector<torch::Tensor>> packed_qkv(int64_t b, int64_t h, int64_t t, int64_t d) {
+  auto qkv = torch::randn({b, t, 3, h, d}).requires_grad_();
+  return {qkv, qkv.permute({2, 0, 3, 1, 4}).unbind(0)};
+}
+
+// softmax(q kᵀ / √d, masked) v with the probabilities dropped by models::dropout: the
+// materialised attention the fused one must equal.
+torch::Tensor eager_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double p,
+                              bool causal) {
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  if (causal) {
+    const auto hidden = torch::ones({q.size(2), k.size(2)}, torch::kBool).triu(1);
+    scores = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+  }
+  return torch::matmul(models::dropout(torch::softmax(scores, -1), p, true), v);
+}
+
+// The output and the gradients of the inputs for the output gradient dy.
+std::vector<torch::Tensor> with_grads(const torch::Tensor& y, const std::vector<torch::Tensor>& inputs,
+                                      const torch::Tensor& dy) {
+  auto g = torch::autograd::grad({y}, inputs, {dy});
+  g.insert(g.begin(), y.detach());
+  return g;
+}
+
+TEST(Attention, MatchesTheExactAttentionInEveryKernel) {
+  struct Case {
+    int64_t tq, tk;
+    bool causal;
+  };
+  in_every_kernel([] {
+    for (auto c : {Case{1, 1, true}, Case{5, 5, true}, Case{64, 64, true}, Case{65, 65, true}, Case{130, 130, true},
+                   Case{130, 130, false}, Case{7, 130, false}, Case{130, 70, true}, Case{20, 130, true}}) {
+      SCOPED_TRACE(std::to_string(c.tq) + " × " + std::to_string(c.tk) + (c.causal ? ", causal" : ""));
+      torch::manual_seed(11);
+      const auto q = torch::randn({2, 3, c.tq, 16}).requires_grad_();
+      const auto k = torch::randn({2, 3, c.tk, 16}).requires_grad_();
+      const auto v = torch::randn({2, 3, c.tk, 8}).requires_grad_();
+      const auto dy = torch::randn({2, 3, c.tq, 8});
+      const auto got = with_grads(models::attention(q, k, v, 0.0, c.causal), {q, k, v}, dy);
+      // The exact values: libtorch's attention in double, which also fixes where the causal mask
+      // falls when t_q ≠ t_k (query i sees keys 0 … i).
+      std::vector<torch::Tensor> in;
+      for (const auto& x : {q, k, v}) in.push_back(x.detach().to(torch::kDouble).requires_grad_());
+      const auto exact = with_grads(at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, c.causal), in,
+                                    dy.to(torch::kDouble));
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(max_error(got[i], exact[i]), 2e-5) << kOutputs[i];
+    }
+  });
+}
+
+TEST(Attention, DropoutIsTheFusedDropoutOfTheProbabilities) {
+  in_every_kernel([] {
+    for (int64_t t : {37, 130}) {
+      torch::manual_seed(12);
+      auto [leaf, qkv] = packed_qkv(2, 3, t, 16);
+      const auto dy = torch::randn({2, 3, t, 16});
+      torch::manual_seed(13);
+      const auto got = with_grads(models::attention(qkv[0], qkv[1], qkv[2], 0.3, true), {leaf}, dy);
+      torch::manual_seed(13);
+      const auto want = with_grads(eager_attention(qkv[0], qkv[1], qkv[2], 0.3, true), {leaf}, dy);
+      EXPECT_LT(max_error(got[0], want[0]), 2e-5) << t;
+      EXPECT_LT(max_error(got[1], want[1]), 2e-5) << t;
+      // and the mask is a real one: the result differs from attention without dropout
+      EXPECT_GT(max_error(got[0], models::attention(qkv[0], qkv[1], qkv[2], 0.0, true)), 1e-2) << t;
+    }
+  });
+}
+
+TEST(Attention, TheSameBitsWhateverTheThreads) {
+  torch::manual_seed(14);
+  auto [leaf, qkv] = packed_qkv(2, 3, 150, 16);
+  const auto dy = torch::randn({2, 3, 150, 16});
+  std::vector<std::vector<torch::Tensor>> runs;
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    torch::manual_seed(15);
+    runs.push_back(with_grads(models::attention(qkv[0], qkv[1], qkv[2], 0.2, true), {leaf}, dy));
+  }
+  at::set_num_threads(1);
+  for (size_t i = 0; i < runs[0].size(); ++i) EXPECT_TRUE(torch::equal(runs[0][i], runs[1][i])) << i;
+}
+
+TEST(Attention, SecondDerivativeMatchesTheEagerOnes) {
+  torch::manual_seed(16);
+  auto [leaf, qkv] = packed_qkv(1, 2, 40, 8);
+  const auto dy = torch::randn({1, 2, 40, 8}).requires_grad_();
+  std::vector<std::vector<torch::Tensor>> results;
+  for (bool fused : {true, false}) {
+    torch::manual_seed(17);
+    const auto y = fused ? models::attention(qkv[0], qkv[1], qkv[2], 0.25, true)
+                         : eager_attention(qkv[0], qkv[1], qkv[2], 0.25, true);
+    const auto g = torch::autograd::grad({y}, {leaf}, {dy}, true, true)[0];
+    // d/d(qkv, dy) of Σ g², which runs through the backward's own derivative
+    results.push_back(torch::autograd::grad({g.pow(2).sum()}, {leaf, dy}));
+  }
+  EXPECT_LT(max_error(results[0][0], results[1][0]), 1e-4);
+  EXPECT_LT(max_error(results[0][1], results[1][1]), 1e-4);
+}
+
+TEST(Attention, LibtorchsOutsideFloatOnTheCpuAndErrorsNamed) {
+  torch::manual_seed(18);
+  const auto q = torch::randn({1, 2, 9, 8}, torch::kDouble), k = torch::randn({1, 2, 9, 8}, torch::kDouble);
+  EXPECT_TRUE(torch::equal(models::attention(q, k, k, 0.0, true),
+                           at::scaled_dot_product_attention(q, k, k, {}, 0.0, true)));
+  const auto f = q.to(torch::kFloat);
+  EXPECT_NE(error_message([&] { models::attention(f, f, f, 1.5, true); }).find("must be in [0, 1], got 1.5"),
+            std::string::npos);
+  EXPECT_NE(error_message([&] { models::attention(f, f.narrow(3, 0, 4), f, 0.0, true); }).find("do not match"),
+            std::string::npos);
+  EXPECT_NE(error_message([&] { models::attention(f[0], f[0], f[0], 0.0, true); }).find("[batch, heads, tokens"),
             std::string::npos);
 }
 

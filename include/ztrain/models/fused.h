@@ -46,6 +46,19 @@ torch::Tensor gelu_tanh(const torch::Tensor& x);
 /// [0, 1] is an error naming it.
 torch::Tensor dropout(const torch::Tensor& x, double p, bool train);
 
+/// at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal) for q [b, h, t_q, d] and k, v
+/// [b, h, t_k, d] (v's head size may differ), fused where it can be: float tensors on the CPU.
+/// It computes softmax(q kᵀ / √d) v a block of 64 queries at a time, with the causal mask (query i
+/// sees keys 0 … i) and dropout applied to each block's probabilities in cache, and keeps for
+/// backward only each query's log-sum-exp, no [t_q, t_k] matrix. The dropout is the fused
+/// dropout's mask over the [b, h, t_q, t_k] probabilities under one seed from the default CPU
+/// generator: the result equals models::dropout applied to the materialised probabilities under
+/// the same generator state. libtorch's CPU attention with dropout is its unfused path, which
+/// materialises the probabilities and draws the mask with bernoulli_. The output is a [b, h, t_q,
+/// d] view of a [b, t_q, h, d] tensor, so that heads → features is a view, not a copy.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p,
+                        bool causal);
+
 /// torch::nn::functional::cross_entropy(logits, targets) for logits [N, V] and targets [N] with
 /// the mean reduction, fused where it can be. Targets outside [0, V) other than ignore_index are
 /// an error, as in libtorch.
@@ -60,6 +73,14 @@ void set_fused_simd(bool on);
 
 /// Philox4x32-10 on one counter under one key, as dropout's masks use it (dropout.cpp).
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
+
+/// One draw from the default CPU generator, as dropout takes its seed.
+uint64_t dropout_seed();
+
+/// The factors dropout under `seed` multiplies elements first … first + n − 1 of a tensor by (0
+/// where dropped, 1 / (1 − p) where kept), into out[0, n): the mask of any slice of a tensor
+/// without the tensor, as attention draws it for its probabilities row by row.
+void dropout_factors(uint64_t seed, double p, int64_t first, int64_t n, float* out);
 }  // namespace detail
 
 }  // namespace ztrain::models

@@ -63,12 +63,13 @@ struct GptConfig {
   double layer_norm_eps = 1e-5;
   /// The parameters' and activations' dtype: fp32 or bf16 (optimizers keep fp32 masters).
   c10::ScalarType dtype = c10::ScalarType::Float;
-  /// Attention through libtorch's fused scaled_dot_product_attention (flash or memory-efficient
-  /// kernels where the device and dtype have one: the score matrix is never materialised), or,
-  /// when false, the eager product, softmax and product (the form a reference writes out).
-  /// The same arithmetic up to float rounding; not stored in model files. On the CPU, attention
-  /// with dropout (when training) takes the eager form: there libtorch's attention is its unfused
-  /// fallback, which draws the masks slowly.
+  /// Attention through a fused kernel that never materialises the score matrix: in float on the
+  /// CPU models::attention's own (models/fused.h), dropout included; elsewhere libtorch's
+  /// scaled_dot_product_attention (flash or memory-efficient kernels where the device and dtype
+  /// have one). When false, the eager product, softmax and product (the form a reference writes
+  /// out). The same arithmetic up to float rounding; not stored in model files. bf16 attention
+  /// with dropout on the CPU (when training) takes the eager form: there libtorch's attention is
+  /// its unfused fallback, which draws the masks slowly.
   bool fused_attention = true;
 
   /// "tiny", "small", "medium", "gpt2" (124M: vocab 50257, context 1024, 12 × 768, 12 heads).

@@ -1,0 +1,355 @@
+#include <ztrain/error.h>
+#include <ztrain/models/fused.h>
+
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// How it works
+// ------------
+// The queries go in blocks of kRows rows, each block of each (batch, head) a task. A block's
+// scores S = Q kᵀ against the keys it may see (all of them, or under the causal mask those up to
+// its last row) are one gemm into a buffer of kRows rows that stays in cache; a pass over each
+// row turns it into probabilities P = softmax(S / √d) with the positions the mask hides set to 0,
+// and multiplies them by the dropout factors of their elements; a second gemm writes P v into
+// the output, laid out [b, t, h, d] so that the heads' outputs are already the rows the output
+// projection reads. Nothing of [t, t] size is kept: forward saves each row's log-sum-exp
+// (lse = max + log Σ exp), and backward recomputes P from the scores and lse.
+//
+// Backward, per (batch, head), block by block: S = Q kᵀ again, P = exp(S / √d − lse),
+// dP' = dO vᵀ, and with F the dropout factors and D = rowsum(dO ∘ O) (which equals
+// rowsum(P ∘ F ∘ dP'), the softmax's correction): dv += (P ∘ F)ᵀ dO, dS = P ∘ (dP' ∘ F − D) / √d,
+// dq = dS k, dk += dSᵀ Q. Five gemms a block, two of them accumulating into dk and dv, which the
+// (batch, head)'s task owns. The blocks run from the last to the first, so that the first, which
+// sees every key, writes dk and dv and the others add.
+//
+// Dropout is the fused dropout's mask (dropout.cpp) over the [b, h, t_q, t_k] probabilities, drawn
+// row by row: element ((b · h + head) · t_q + i) · t_k + j, under one seed from the default CPU
+// generator. The probabilities after dropout are therefore exactly models::dropout of the
+// materialised ones under the same generator state.
+//
+// Under the causal mask a block computes the scores up to its last row's diagonal, so on average
+// kRows / 2 of each row's scores more than it needs: 1 + kRows / t_k times the work of the
+// triangle (libtorch 2.11's CPU flash attention takes query blocks of 256 rows at t ≥ 768).
+
+namespace ztrain::models {
+
+namespace {
+
+using detail::simd::exp8;
+using detail::simd::hmax;
+using detail::simd::hsum;
+using detail::simd::kMinusInf;
+using detail::simd::load8;
+using detail::simd::store8;
+
+constexpr int64_t kRows = 64;  // query rows a block
+
+// ---- one row ---------------------------------------------------------------------------------
+// Forward: s[0, n) holds a row's scores q · k; they become softmax(s · scale) times the dropout
+// factors f (null: none), s[n, width) zeros; returns the row's lse in units of s · scale.
+// Backward: s[0, n) holds the scores and dp[0, n) dO · v; s becomes P ∘ F and dp the row of
+// dS, both 0 on [n, width).
+
+float forward_row_scalar(float* s, int64_t n, int64_t width, float scale, const float* f) {
+  float m = kMinusInf;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  double sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp((s[j] - m) * scale);
+    sum += s[j];
+  }
+  const auto inv = static_cast<float>(1 / sum);
+  for (int64_t j = 0; j < n; ++j) s[j] *= f ? inv * f[j] : inv;
+  std::fill(s + n, s + width, 0.0f);
+  return m * scale + static_cast<float>(std::log(sum));
+}
+
+void backward_row_scalar(float* s, float* dp, int64_t n, int64_t width, float scale, float lse, float d,
+                         const float* f) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float prob = std::exp(s[j] * scale - lse), factor = f ? f[j] : 1.0f;
+    s[j] = prob * factor;
+    dp[j] = prob * (dp[j] * factor - d) * scale;
+  }
+  std::fill(s + n, s + width, 0.0f);
+  std::fill(dp + n, dp + width, 0.0f);
+}
+
+// Elements [0, n) of a row of 8 (n < 8), the rest filled with `pad`.
+ZTRAIN_AVX2 inline __m256 load_part(const float* p, int64_t n, float pad) {
+  float v[8];
+  std::fill(v, v + 8, pad);
+  std::copy(p, p + n, v);
+  return load8(v);
+}
+
+ZTRAIN_AVX2 inline void store_part(float* p, int64_t n, __m256 x) {
+  float v[8];
+  store8(v, x);
+  std::copy(v, v + n, p);
+}
+
+ZTRAIN_AVX2 float forward_row_avx2(float* s, int64_t n, int64_t width, float scale, const float* f) {
+  const int64_t body = n / 8 * 8;
+  __m256 vm = _mm256_set1_ps(kMinusInf);
+  for (int64_t j = 0; j < body; j += 8) vm = _mm256_max_ps(vm, load8(s + j));
+  if (body < n) vm = _mm256_max_ps(vm, load_part(s + body, n - body, kMinusInf));
+  const float m = hmax(vm);
+  const __m256 vs = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-m * scale);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < body; j += 8) {
+    const __m256 e = exp8(_mm256_fmadd_ps(load8(s + j), vs, shift));
+    store8(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (body < n) {  // padding of −inf adds exp(−inf) = 0
+    const __m256 e = exp8(_mm256_fmadd_ps(load_part(s + body, n - body, kMinusInf), vs, shift));
+    store_part(s + body, n - body, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const float total = hsum(sum);
+  const __m256 inv = _mm256_set1_ps(1.0f / total);
+  for (int64_t j = 0; j < body; j += 8) {
+    const __m256 w = f ? _mm256_mul_ps(inv, load8(f + j)) : inv;
+    store8(s + j, _mm256_mul_ps(load8(s + j), w));
+  }
+  for (int64_t j = body; j < n; ++j) s[j] *= f ? (1.0f / total) * f[j] : 1.0f / total;
+  std::fill(s + n, s + width, 0.0f);
+  return m * scale + std::log(total);
+}
+
+// Elements [j, j + count) of a backward row, count ≤ 8.
+ZTRAIN_AVX2 inline void backward_step(float* s, float* dp, int64_t j, int64_t count, __m256 scale, __m256 shift,
+                                      __m256 d, const float* f) {
+  const bool whole = count == 8;
+  const __m256 x = whole ? load8(s + j) : load_part(s + j, count, kMinusInf);
+  const __m256 g = whole ? load8(dp + j) : load_part(dp + j, count, 0.0f);
+  const __m256 factor = !f ? _mm256_set1_ps(1.0f) : whole ? load8(f + j) : load_part(f + j, count, 0.0f);
+  const __m256 prob = exp8(_mm256_fmadd_ps(x, scale, shift));
+  const __m256 ds = _mm256_mul_ps(_mm256_mul_ps(prob, _mm256_fmsub_ps(g, factor, d)), scale);
+  if (whole) {
+    store8(s + j, _mm256_mul_ps(prob, factor));
+    store8(dp + j, ds);
+  } else {
+    store_part(s + j, count, _mm256_mul_ps(prob, factor));
+    store_part(dp + j, count, ds);
+  }
+}
+
+ZTRAIN_AVX2 void backward_row_avx2(float* s, float* dp, int64_t n, int64_t width, float scale, float lse, float d,
+                                   const float* f) {
+  const __m256 vs = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-lse), vd = _mm256_set1_ps(d);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) backward_step(s, dp, j, 8, vs, shift, vd, f);
+  if (j < n) backward_step(s, dp, j, n - j, vs, shift, vd, f);
+  std::fill(s + n, s + width, 0.0f);
+  std::fill(dp + n, dp + width, 0.0f);
+}
+
+// ---- blocks ----------------------------------------------------------------------------------
+
+// One call's shapes and settings; q, k, v as [b · h, t, d] views, out [b, t_q, h, d_v].
+struct Problem {
+  torch::Tensor q, k, v;
+  int64_t batch, heads, tq, tk;
+  float scale;
+  bool causal;
+  double p;        // dropout
+  uint64_t seed;   // of its mask
+  bool simd;
+
+  int64_t keys_seen(int64_t row) const { return causal ? std::min(row + 1, tk) : tk; }
+  // The dropout factors of row i of (batch · heads) index bh, keys [0, n).
+  void factors(int64_t bh, int64_t i, int64_t n, float* f) const {
+    detail::dropout_factors(seed, p, (bh * tq + i) * tk, n, f);
+  }
+  // Rows [i0, i1) of head bh's slice of a [b, t, h, d] tensor.
+  torch::Tensor rows_of(const torch::Tensor& bthd, int64_t bh, int64_t i0, int64_t i1) const {
+    return bthd.select(0, bh / heads).select(1, bh % heads).narrow(0, i0, i1 - i0);
+  }
+};
+
+torch::Tensor matrix(float* data, int64_t rows, int64_t cols) {
+  return torch::from_blob(data, {rows, cols}, torch::TensorOptions().dtype(torch::kFloat));
+}
+
+void forward_block(const Problem& pr, int64_t bh, int64_t i0, torch::Tensor& out, float* lse, float* buffer,
+                   float* f) {
+  const int64_t i1 = std::min(i0 + kRows, pr.tq), width = pr.keys_seen(i1 - 1);
+  auto s = matrix(buffer, i1 - i0, width);
+  const auto q = pr.q[bh].narrow(0, i0, i1 - i0);
+  at::mm_out(s, q, pr.k[bh].narrow(0, 0, width).t());
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t n = pr.keys_seen(i);
+    if (pr.p > 0) pr.factors(bh, i, n, f);
+    float* row = buffer + (i - i0) * width;
+    const float* factors = pr.p > 0 ? f : nullptr;
+    lse[i] = pr.simd ? forward_row_avx2(row, n, width, pr.scale, factors)
+                     : forward_row_scalar(row, n, width, pr.scale, factors);
+  }
+  auto o = pr.rows_of(out, bh, i0, i1);
+  at::mm_out(o, s, pr.v[bh].narrow(0, 0, width));
+}
+
+// dq, dk, dv of [b, t, h, d]; grad_out and out [b · h, t_q, d_v] views.
+void backward_head(const Problem& pr, int64_t bh, const torch::Tensor& grad_out, const torch::Tensor& out,
+                   const float* lse, torch::Tensor& dq, torch::Tensor& dk, torch::Tensor& dv, float* s_buffer,
+                   float* dp_buffer, float* f) {
+  const auto d_rows = (grad_out[bh] * out[bh]).sum(-1);  // D, [t_q]
+  const float* d = d_rows.data_ptr<float>();
+  const int64_t blocks = (pr.tq + kRows - 1) / kRows;
+  bool first = true;
+  for (int64_t blk = blocks - 1; blk >= 0; --blk) {
+    const int64_t i0 = blk * kRows, i1 = std::min(i0 + kRows, pr.tq), width = pr.keys_seen(i1 - 1);
+    auto s = matrix(s_buffer, i1 - i0, width), dp = matrix(dp_buffer, i1 - i0, width);
+    const auto q = pr.q[bh].narrow(0, i0, i1 - i0), k = pr.k[bh].narrow(0, 0, width),
+               v = pr.v[bh].narrow(0, 0, width), go = grad_out[bh].narrow(0, i0, i1 - i0);
+    at::mm_out(s, q, k.t());
+    at::mm_out(dp, go, v.t());
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = pr.keys_seen(i);
+      if (pr.p > 0) pr.factors(bh, i, n, f);
+      const float* factors = pr.p > 0 ? f : nullptr;
+      float *srow = s_buffer + (i - i0) * width, *dprow = dp_buffer + (i - i0) * width;
+      if (pr.simd) {
+        backward_row_avx2(srow, dprow, n, width, pr.scale, lse[i], d[i], factors);
+      } else {
+        backward_row_scalar(srow, dprow, n, width, pr.scale, lse[i], d[i], factors);
+      }
+    }
+    auto dq_rows = pr.rows_of(dq, bh, i0, i1);
+    at::mm_out(dq_rows, dp, k);
+    auto dk_rows = pr.rows_of(dk, bh, 0, width), dv_rows = pr.rows_of(dv, bh, 0, width);
+    if (first) {  // the block that sees the most keys: the others' keys are a prefix of its
+      at::mm_out(dv_rows, s.t(), go);
+      at::mm_out(dk_rows, dp.t(), q);
+      pr.rows_of(dk, bh, width, pr.tk).zero_();  // keys no query sees (causal, t_q < t_k)
+      pr.rows_of(dv, bh, width, pr.tk).zero_();
+      first = false;
+    } else {
+      dv_rows.addmm_(s.t(), go);
+      dk_rows.addmm_(dp.t(), q);
+    }
+  }
+}
+
+// [b, h, t, d] → [b · h, t, d] without a copy where the strides allow.
+torch::Tensor heads_first(const torch::Tensor& x) {
+  const auto y = x.stride(-1) == 1 ? x : x.contiguous();
+  return y.reshape({-1, y.size(2), y.size(3)});
+}
+
+Problem problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double p, uint64_t seed,
+                   bool causal) {
+  return {.q = heads_first(q),
+          .k = heads_first(k),
+          .v = heads_first(v),
+          .batch = q.size(0),
+          .heads = q.size(1),
+          .tq = q.size(2),
+          .tk = k.size(2),
+          .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.size(3)))),
+          .causal = causal,
+          .p = p,
+          .seed = seed,
+          .simd = detail::fused_simd()};
+}
+
+// The same in differentiable libtorch operations on the whole [b, h, t_q, t_k] matrices: the
+// backward of a backward that builds a graph (create_graph).
+std::vector<torch::Tensor> backward_differentiable(const Problem& pr, const torch::Tensor& q, const torch::Tensor& k,
+                                                   const torch::Tensor& v, const torch::Tensor& grad_out) {
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) * pr.scale;
+  if (pr.causal) {
+    scores = scores.masked_fill(torch::ones({pr.tq, pr.tk}, q.options().dtype(torch::kBool)).triu(1), kMinusInf);
+  }
+  const auto prob = torch::softmax(scores, -1);
+  auto factors = torch::ones_like(prob);
+  if (pr.p > 0) {
+    factors = torch::empty(prob.sizes(), q.options());
+    detail::dropout_factors(pr.seed, pr.p, 0, factors.numel(), factors.data_ptr<float>());
+  }
+  const auto dropped = prob * factors;
+  const auto d_dropped = torch::matmul(grad_out, v.transpose(-2, -1)) * factors;
+  const auto ds = prob * (d_dropped - (d_dropped * prob).sum(-1, true)) * pr.scale;
+  return {torch::matmul(ds, k), torch::matmul(ds.transpose(-2, -1), q), torch::matmul(dropped.transpose(-2, -1), grad_out)};
+}
+
+struct FusedAttention : torch::autograd::Function<FusedAttention> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, double p, bool causal) {
+    RECORD_FUNCTION("ztrain::attention", std::vector<c10::IValue>({q, k, v}));
+    const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal);
+    auto out = torch::empty({pr.batch, pr.tq, pr.heads, v.size(3)}, q.options());
+    auto lse = torch::empty({pr.batch * pr.heads, pr.tq}, q.options());
+    const int64_t blocks = (pr.tq + kRows - 1) / kRows;
+    at::parallel_for(0, pr.batch * pr.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer(kRows * pr.tk), f(pr.tk);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t bh = task / blocks;
+        forward_block(pr, bh, task % blocks * kRows, out, lse[bh].data_ptr<float>(), buffer.data(), f.data());
+      }
+    });
+    const auto y = out.transpose(1, 2);
+    ctx->save_for_backward({q, k, v, y, lse});
+    ctx->saved_data["seed"] = static_cast<int64_t>(pr.seed);
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["causal"] = causal;
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    RECORD_FUNCTION("ztrain::attention_backward", std::vector<c10::IValue>({grads[0]}));
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &y = saved[3], &lse = saved[4];
+    const Problem pr = problem_of(q, k, v, ctx->saved_data["p"].toDouble(),
+                                  static_cast<uint64_t>(ctx->saved_data["seed"].toInt()),
+                                  ctx->saved_data["causal"].toBool());
+    if (torch::GradMode::is_enabled()) {
+      auto g = backward_differentiable(pr, q, k, v, grads[0]);
+      return {g[0], g[1], g[2], {}, {}};
+    }
+    const auto grad_out = heads_first(grads[0]), out = heads_first(y);
+    auto dq = torch::empty({pr.batch, pr.tq, pr.heads, q.size(3)}, q.options());
+    auto dk = torch::empty({pr.batch, pr.tk, pr.heads, k.size(3)}, k.options());
+    auto dv = torch::empty({pr.batch, pr.tk, pr.heads, v.size(3)}, v.options());
+    at::parallel_for(0, pr.batch * pr.heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> s(kRows * pr.tk), dp(kRows * pr.tk), f(pr.tk);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        backward_head(pr, bh, grad_out, out, lse[bh].data_ptr<float>(), dq, dk, dv, s.data(), dp.data(), f.data());
+      }
+    });
+    return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), {}, {}};
+  }
+};
+
+}  // namespace
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p,
+                        bool causal) {
+  ZTRAIN_CHECK(dropout_p >= 0 && dropout_p <= 1, "attention: the dropout probability must be in [0, 1], got ",
+               dropout_p);
+  ZTRAIN_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+               "attention: q, k and v must be [batch, heads, tokens, head size], got ", q.sizes(), ", ", k.sizes(),
+               " and ", v.sizes());
+  ZTRAIN_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) &&
+                   v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
+               "attention: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
+               " do not match: they need the same batch and heads, q and k the same head size, k and v the same "
+               "tokens");
+  const bool fused = q.device().is_cpu() && q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+                     v.scalar_type() == torch::kFloat && q.layout() == torch::kStrided && q.numel() > 0 &&
+                     k.numel() > 0 && dropout_p < 1;
+  if (!fused) return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal);
+  return FusedAttention::apply(q, k, v, dropout_p, causal);
+}
+
+}  // namespace ztrain::models
