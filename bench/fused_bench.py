@@ -1,10 +1,11 @@
 """ztrain.nn's fused CPU kernels against the torch functions they replace, side by side in one
-process: nanoseconds an element, forward alone and forward with backward, the median of --repeats
-timings of --calls calls each.
+process: nanoseconds an element (attention: milliseconds a call), forward alone and forward with
+backward, the median of --repeats timings of --calls calls each.
 
     OMP_NUM_THREADS=1 PYTHONPATH=build/python .venv/bin/python bench/fused_bench.py
 """
 import argparse
+import math
 import statistics
 import time
 
@@ -34,11 +35,44 @@ def with_backward(op, x, grad):
     return run
 
 
+def attention(args):
+    """GPT-2's causal self-attention: ztrain.nn against F.scaled_dot_product_attention and against
+    the materialised form (scores, softmax, dropout, product) with ztrain's dropout."""
+    print(f"{'causal attention, ms a call':38} {'ztrain':>8} {'torch':>8} {'ratio':>6} | {'fwd+bwd':>8} {'torch':>8} "
+          f"{'ratio':>6} | {'materialised':>12}")
+    for t in args.tokens:
+        for p in (0.0, args.p):
+            qkv = torch.randn(2, t, 3, 12, 64, requires_grad=True)  # q, k, v as a GPT's one linear makes them
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            mask = torch.full((t, t), -math.inf).triu(1)
+
+            def ours():
+                return ztrain.nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+            def theirs():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+            def materialised():
+                scores = (q @ k.transpose(-2, -1)) / 8 + mask
+                return ztrain.nn.dropout(scores.softmax(-1), p) @ v
+
+            grad = torch.randn(2, 12, t, 64)
+
+            def both(op):
+                return lambda: torch.autograd.grad(op(), (qkv,), grad)
+            fwd = [per_element(op, 1e6, args.calls, args.repeats) for op in (ours, theirs)]
+            fb = [per_element(both(op), 1e6, args.calls, args.repeats) for op in (ours, theirs, materialised)]
+            print(f"{f'2x12x{t}x64, dropout {p}':38} {fwd[0]:8.1f} {fwd[1]:8.1f} {fwd[1] / fwd[0]:6.2f} | "
+                  f"{fb[0]:8.1f} {fb[1]:8.1f} {fb[1] / fb[0]:6.2f} | {fb[2]:12.1f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability")
+    parser.add_argument("--tokens", type=int, nargs="*", default=[256, 1024],
+                        help="sequence lengths of the causal attention cases (batch 2, 12 heads of 64)")
     args = parser.parse_args()
     torch.manual_seed(0)
     vocab = 50257
@@ -65,6 +99,7 @@ def main():
         both = [per_element(with_backward(op, x, grad), n, args.calls, args.repeats) for op in (ours, theirs)]
         print(f"{name:38} {fwd[0]:8.2f} {fwd[1]:8.2f} {fwd[1] / fwd[0]:6.1f} | "
               f"{both[0]:8.2f} {both[1]:8.2f} {both[1] / both[0]:6.1f}")
+    attention(args)
     mul = torch.randn(1 << 20)
     print(f"{'(a multiply of 2^20 floats)':38} {per_element(lambda: mul * 2, mul.numel(), args.calls, args.repeats):8.2f}")
 

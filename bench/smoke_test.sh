@@ -34,7 +34,7 @@ if [[ -d $package/ztrain ]]; then
       "$here/python_pipe_bench.py" --style "$style" --micro-batches 2 --preset tiny --batch 4 --seq 16 --steps 1 \
       --warmup 0 --data "$data" --json "$work/pipe.jsonl" >/dev/null
   done
-  PYTHONPATH=$package "$python" "$here/fused_bench.py" --calls 1 --repeats 1 >/dev/null  # the fused kernels against torch's
+  PYTHONPATH=$package "$python" "$here/fused_bench.py" --calls 1 --repeats 1 --tokens 64 >/dev/null  # the fused kernels against torch's
   "$python" -c 'import json, sys; a, b = (json.loads(l) for l in open(sys.argv[1]))
 assert a["loss_first"] == b["loss_first"] and a["peak_rss_bytes"][0] > 0, (a, b)
 print("python_pipe_bench: 1f1b and gpipe first loss %.4f" % a["loss_first"])' "$work/pipe.jsonl"

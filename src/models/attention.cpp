@@ -4,6 +4,8 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
 #include <ATen/record_function.h>
 
 #include <algorithm>
@@ -154,103 +156,117 @@ ZTRAIN_AVX2 void backward_row_avx2(float* s, float* dp, int64_t n, int64_t width
 }
 
 // ---- blocks ----------------------------------------------------------------------------------
+// The gemms take views made with from_blob and go to libtorch's CPU kernels directly
+// (at::cpu::…), not through the dispatcher: a block's gemms are small, and at 64 tokens the
+// operator calls cost as much as the arithmetic.
 
-// One call's shapes and settings; q, k, v as [b · h, t, d] views, out [b, t_q, h, d_v].
-struct Problem {
-  torch::Tensor q, k, v;
-  int64_t batch, heads, tq, tk;
-  float scale;
-  bool causal;
-  double p;        // dropout
-  uint64_t seed;   // of its mask
-  bool simd;
+// A [b, h, t, d] tensor's heads as raw rows (unit stride along d).
+struct Heads {
+  float* data;
+  int64_t heads, stride_b, stride_h, stride_t, d;
 
-  int64_t keys_seen(int64_t row) const { return causal ? std::min(row + 1, tk) : tk; }
-  // The dropout factors of row i of (batch · heads) index bh, keys [0, n).
-  void factors(int64_t bh, int64_t i, int64_t n, float* f) const {
-    detail::dropout_factors(seed, p, (bh * tq + i) * tk, n, f);
+  static Heads of(const torch::Tensor& x) {
+    TORCH_INTERNAL_ASSERT(x.stride(3) == 1);
+    return {x.data_ptr<float>(), x.size(1), x.stride(0), x.stride(1), x.stride(2), x.size(3)};
   }
-  // Rows [i0, i1) of head bh's slice of a [b, t, h, d] tensor.
-  torch::Tensor rows_of(const torch::Tensor& bthd, int64_t bh, int64_t i0, int64_t i1) const {
-    return bthd.select(0, bh / heads).select(1, bh % heads).narrow(0, i0, i1 - i0);
+  float* row(int64_t bh, int64_t i) const { return data + bh / heads * stride_b + bh % heads * stride_h + i * stride_t; }
+  // Rows [i0, i0 + n) of head bh as an [n, d] matrix, and as its [d, n] transpose.
+  torch::Tensor rows(int64_t bh, int64_t i0, int64_t n) const { return view(row(bh, i0), {n, d}, {stride_t, 1}); }
+  torch::Tensor rows_t(int64_t bh, int64_t i0, int64_t n) const { return view(row(bh, i0), {d, n}, {1, stride_t}); }
+
+  static torch::Tensor view(float* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
+    return torch::from_blob(p, sizes, strides, torch::TensorOptions().dtype(torch::kFloat));
   }
 };
 
-torch::Tensor matrix(float* data, int64_t rows, int64_t cols) {
-  return torch::from_blob(data, {rows, cols}, torch::TensorOptions().dtype(torch::kFloat));
-}
+// One call's shapes and settings.
+struct Problem {
+  Heads q, k, v;
+  int64_t batch, heads, tq, tk;
+  float scale;
+  bool causal;
+  double p;       // dropout
+  uint64_t seed;  // of its mask
+  bool simd;
 
-void forward_block(const Problem& pr, int64_t bh, int64_t i0, torch::Tensor& out, float* lse, float* buffer,
-                   float* f) {
-  const int64_t i1 = std::min(i0 + kRows, pr.tq), width = pr.keys_seen(i1 - 1);
-  auto s = matrix(buffer, i1 - i0, width);
-  const auto q = pr.q[bh].narrow(0, i0, i1 - i0);
-  at::mm_out(s, q, pr.k[bh].narrow(0, 0, width).t());
-  for (int64_t i = i0; i < i1; ++i) {
+  int64_t keys_seen(int64_t row) const { return causal ? std::min(row + 1, tk) : tk; }
+  // The dropout factors of row i of head bh (b · heads + h), keys [0, n); null without dropout.
+  const float* factors(int64_t bh, int64_t i, int64_t n, float* f) const {
+    if (p == 0) return nullptr;
+    detail::dropout_factors(seed, p, (bh * tq + i) * tk, n, f);
+    return f;
+  }
+};
+
+// A [rows, cols] row-major matrix in a buffer, and its transpose.
+torch::Tensor matrix(float* data, int64_t rows, int64_t cols) { return Heads::view(data, {rows, cols}, {cols, 1}); }
+torch::Tensor matrix_t(float* data, int64_t rows, int64_t cols) { return Heads::view(data, {cols, rows}, {1, cols}); }
+
+void forward_block(const Problem& pr, int64_t bh, int64_t i0, const Heads& out, float* lse, float* buffer, float* f) {
+  const int64_t rows = std::min(kRows, pr.tq - i0), width = pr.keys_seen(i0 + rows - 1);
+  auto s = matrix(buffer, rows, width);
+  at::cpu::mm_out(s, pr.q.rows(bh, i0, rows), pr.k.rows_t(bh, 0, width));
+  for (int64_t i = i0; i < i0 + rows; ++i) {
     const int64_t n = pr.keys_seen(i);
-    if (pr.p > 0) pr.factors(bh, i, n, f);
+    const float* factors = pr.factors(bh, i, n, f);
     float* row = buffer + (i - i0) * width;
-    const float* factors = pr.p > 0 ? f : nullptr;
     lse[i] = pr.simd ? forward_row_avx2(row, n, width, pr.scale, factors)
                      : forward_row_scalar(row, n, width, pr.scale, factors);
   }
-  auto o = pr.rows_of(out, bh, i0, i1);
-  at::mm_out(o, s, pr.v[bh].narrow(0, 0, width));
+  auto o = out.rows(bh, i0, rows);
+  at::cpu::mm_out(o, s, pr.v.rows(bh, 0, width));
 }
 
-// dq, dk, dv of [b, t, h, d]; grad_out and out [b · h, t_q, d_v] views.
-void backward_head(const Problem& pr, int64_t bh, const torch::Tensor& grad_out, const torch::Tensor& out,
-                   const float* lse, torch::Tensor& dq, torch::Tensor& dk, torch::Tensor& dv, float* s_buffer,
+struct Gradients {
+  Heads grad_out, out, dq, dk, dv;
+};
+
+void backward_head(const Problem& pr, int64_t bh, const Gradients& g, const float* lse, float* s_buffer,
                    float* dp_buffer, float* f) {
-  const auto d_rows = (grad_out[bh] * out[bh]).sum(-1);  // D, [t_q]
-  const float* d = d_rows.data_ptr<float>();
   const int64_t blocks = (pr.tq + kRows - 1) / kRows;
-  bool first = true;
   for (int64_t blk = blocks - 1; blk >= 0; --blk) {
-    const int64_t i0 = blk * kRows, i1 = std::min(i0 + kRows, pr.tq), width = pr.keys_seen(i1 - 1);
-    auto s = matrix(s_buffer, i1 - i0, width), dp = matrix(dp_buffer, i1 - i0, width);
-    const auto q = pr.q[bh].narrow(0, i0, i1 - i0), k = pr.k[bh].narrow(0, 0, width),
-               v = pr.v[bh].narrow(0, 0, width), go = grad_out[bh].narrow(0, i0, i1 - i0);
-    at::mm_out(s, q, k.t());
-    at::mm_out(dp, go, v.t());
-    for (int64_t i = i0; i < i1; ++i) {
+    const int64_t i0 = blk * kRows, rows = std::min(kRows, pr.tq - i0), width = pr.keys_seen(i0 + rows - 1);
+    auto s = matrix(s_buffer, rows, width), dp = matrix(dp_buffer, rows, width);
+    const auto q = pr.q.rows(bh, i0, rows), go = g.grad_out.rows(bh, i0, rows);
+    at::cpu::mm_out(s, q, pr.k.rows_t(bh, 0, width));
+    at::cpu::mm_out(dp, go, pr.v.rows_t(bh, 0, width));
+    for (int64_t i = i0; i < i0 + rows; ++i) {
+      const float *dyi = g.grad_out.row(bh, i), *yi = g.out.row(bh, i);
+      float d = 0;  // D = dO · O, the softmax's correction
+      for (int64_t c = 0; c < g.out.d; ++c) d += dyi[c] * yi[c];
       const int64_t n = pr.keys_seen(i);
-      if (pr.p > 0) pr.factors(bh, i, n, f);
-      const float* factors = pr.p > 0 ? f : nullptr;
+      const float* factors = pr.factors(bh, i, n, f);
       float *srow = s_buffer + (i - i0) * width, *dprow = dp_buffer + (i - i0) * width;
       if (pr.simd) {
-        backward_row_avx2(srow, dprow, n, width, pr.scale, lse[i], d[i], factors);
+        backward_row_avx2(srow, dprow, n, width, pr.scale, lse[i], d, factors);
       } else {
-        backward_row_scalar(srow, dprow, n, width, pr.scale, lse[i], d[i], factors);
+        backward_row_scalar(srow, dprow, n, width, pr.scale, lse[i], d, factors);
       }
     }
-    auto dq_rows = pr.rows_of(dq, bh, i0, i1);
-    at::mm_out(dq_rows, dp, k);
-    auto dk_rows = pr.rows_of(dk, bh, 0, width), dv_rows = pr.rows_of(dv, bh, 0, width);
-    if (first) {  // the block that sees the most keys: the others' keys are a prefix of its
-      at::mm_out(dv_rows, s.t(), go);
-      at::mm_out(dk_rows, dp.t(), q);
-      pr.rows_of(dk, bh, width, pr.tk).zero_();  // keys no query sees (causal, t_q < t_k)
-      pr.rows_of(dv, bh, width, pr.tk).zero_();
-      first = false;
+    auto dq = g.dq.rows(bh, i0, rows);
+    at::cpu::mm_out(dq, dp, pr.k.rows(bh, 0, width));
+    auto dk = g.dk.rows(bh, 0, width), dv = g.dv.rows(bh, 0, width);
+    const auto s_t = matrix_t(s_buffer, rows, width), dp_t = matrix_t(dp_buffer, rows, width);
+    if (blk == blocks - 1) {  // the block that sees the most keys: the others' keys are a prefix of its
+      at::cpu::mm_out(dv, s_t, go);
+      at::cpu::mm_out(dk, dp_t, q);
+      g.dk.rows(bh, width, pr.tk - width).zero_();  // keys no query sees (causal, t_q < t_k)
+      g.dv.rows(bh, width, pr.tk - width).zero_();
     } else {
-      dv_rows.addmm_(s.t(), go);
-      dk_rows.addmm_(dp.t(), q);
+      at::cpu::addmm_(dv, s_t, go);
+      at::cpu::addmm_(dk, dp_t, q);
     }
   }
 }
 
-// [b, h, t, d] → [b · h, t, d] without a copy where the strides allow.
-torch::Tensor heads_first(const torch::Tensor& x) {
-  const auto y = x.stride(-1) == 1 ? x : x.contiguous();
-  return y.reshape({-1, y.size(2), y.size(3)});
-}
+// x itself where its last dimension is unit-strided, else a contiguous copy.
+torch::Tensor rows_contiguous(const torch::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); }
 
 Problem problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double p, uint64_t seed,
                    bool causal) {
-  return {.q = heads_first(q),
-          .k = heads_first(k),
-          .v = heads_first(v),
+  return {.q = Heads::of(q),
+          .k = Heads::of(k),
+          .v = Heads::of(v),
           .batch = q.size(0),
           .heads = q.size(1),
           .tq = q.size(2),
@@ -283,12 +299,15 @@ std::vector<torch::Tensor> backward_differentiable(const Problem& pr, const torc
 }
 
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, double p, bool causal) {
-    RECORD_FUNCTION("ztrain::attention", std::vector<c10::IValue>({q, k, v}));
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& query,
+                               const torch::Tensor& key, const torch::Tensor& value, double p, bool causal) {
+    RECORD_FUNCTION("ztrain::attention", std::vector<c10::IValue>({query, key, value}));
+    const auto q = rows_contiguous(query), k = rows_contiguous(key), v = rows_contiguous(value);
     const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal);
-    auto out = torch::empty({pr.batch, pr.tq, pr.heads, v.size(3)}, q.options());
+    // [b, t_q, h, d_v], returned as its [b, h, t_q, d_v] view
+    const auto y = torch::empty({pr.batch, pr.tq, pr.heads, v.size(3)}, q.options()).transpose(1, 2);
     auto lse = torch::empty({pr.batch * pr.heads, pr.tq}, q.options());
+    const Heads out = Heads::of(y);
     const int64_t blocks = (pr.tq + kRows - 1) / kRows;
     at::parallel_for(0, pr.batch * pr.heads * blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buffer(kRows * pr.tk), f(pr.tk);
@@ -297,7 +316,6 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
         forward_block(pr, bh, task % blocks * kRows, out, lse[bh].data_ptr<float>(), buffer.data(), f.data());
       }
     });
-    const auto y = out.transpose(1, 2);
     ctx->save_for_backward({q, k, v, y, lse});
     ctx->saved_data["seed"] = static_cast<int64_t>(pr.seed);
     ctx->saved_data["p"] = p;
@@ -317,17 +335,19 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
       auto g = backward_differentiable(pr, q, k, v, grads[0]);
       return {g[0], g[1], g[2], {}, {}};
     }
-    const auto grad_out = heads_first(grads[0]), out = heads_first(y);
-    auto dq = torch::empty({pr.batch, pr.tq, pr.heads, q.size(3)}, q.options());
-    auto dk = torch::empty({pr.batch, pr.tk, pr.heads, k.size(3)}, k.options());
-    auto dv = torch::empty({pr.batch, pr.tk, pr.heads, v.size(3)}, v.options());
+    const auto grad_out = rows_contiguous(grads[0]);
+    // each [b, t, h, d], returned as its [b, h, t, d] view
+    const auto dq = torch::empty({pr.batch, pr.tq, pr.heads, q.size(3)}, q.options()).transpose(1, 2);
+    const auto dk = torch::empty({pr.batch, pr.tk, pr.heads, k.size(3)}, k.options()).transpose(1, 2);
+    const auto dv = torch::empty({pr.batch, pr.tk, pr.heads, v.size(3)}, v.options()).transpose(1, 2);
+    const Gradients g{Heads::of(grad_out), Heads::of(y), Heads::of(dq), Heads::of(dk), Heads::of(dv)};
     at::parallel_for(0, pr.batch * pr.heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> s(kRows * pr.tk), dp(kRows * pr.tk), f(pr.tk);
       for (int64_t bh = begin; bh < end; ++bh) {
-        backward_head(pr, bh, grad_out, out, lse[bh].data_ptr<float>(), dq, dk, dv, s.data(), dp.data(), f.data());
+        backward_head(pr, bh, g, lse[bh].data_ptr<float>(), s.data(), dp.data(), f.data());
       }
     });
-    return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), {}, {}};
+    return {dq, dk, dv, {}, {}};
   }
 };
 
@@ -348,7 +368,11 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const bool fused = q.device().is_cpu() && q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
                      v.scalar_type() == torch::kFloat && q.layout() == torch::kStrided && q.numel() > 0 &&
                      k.numel() > 0 && dropout_p < 1;
-  if (!fused) return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal);
+  // Up to one block of keys without dropout, libtorch's CPU flash attention costs less per call
+  // (docs/benchmarks.md: 5.5 against 6.5 ms forward and backward at 2 × 12 × 64 × 64).
+  if (!fused || (dropout_p == 0 && k.size(2) <= kRows)) {
+    return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal);
+  }
   return FusedAttention::apply(q, k, v, dropout_p, causal);
 }
 

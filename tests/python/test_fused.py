@@ -1,6 +1,7 @@
 """ztrain.nn's fused CPU kernels against torch: dropout (a Bernoulli mask at rate p, kept elements
 scaled as torch scales them, backward through the same mask, torch's generator as the source),
-the tanh GELU and cross-entropy (values and gradients to a few ulps), and torch's own functions
+the tanh GELU and cross-entropy (values and gradients to a few ulps), attention against torch's in
+double and with dropout against ztrain.nn.dropout of the probabilities, and torch's own functions
 where no kernel takes the input."""
 import math
 import unittest
@@ -83,6 +84,32 @@ class GeluAndCrossEntropy(unittest.TestCase):
         self.assertTrue(torch.equal(logits.grad[3], torch.zeros(501)))
         with self.assertRaisesRegex(ztrain.Error, "logits of \\(rows, classes\\)"):
             ztrain.nn.cross_entropy(logits, target[:5])
+
+
+class Attention(unittest.TestCase):
+    def test_against_torch_in_double(self):
+        for causal in (True, False):
+            with self.subTest(causal=causal):
+                q, k, v = (torch.randn(2, 3, 70, 16, requires_grad=True) for _ in range(3))
+                dy = torch.randn(2, 3, 70, 16)
+                y = ztrain.nn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                grads = torch.autograd.grad(y, (q, k, v), dy)
+                exact_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+                exact = F.scaled_dot_product_attention(*exact_in, is_causal=causal)
+                exact_grads = torch.autograd.grad(exact, exact_in, dy.double())
+                for got, want in zip((y, *grads), (exact, *exact_grads)):
+                    self.assertLess((got.double() - want).abs().max().item(), 2e-5)
+
+    def test_dropout_is_ztrain_dropout_of_the_probabilities(self):
+        q, k, v = (torch.randn(1, 2, 45, 8) for _ in range(3))
+        torch.manual_seed(4)
+        y = ztrain.nn.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(torch.ones(45, 45).triu(1).bool(), -math.inf)
+        torch.manual_seed(4)
+        want = ztrain.nn.dropout(scores.softmax(-1), 0.2) @ v
+        self.assertLess((y - want).abs().max().item(), 1e-5)
+        with self.assertRaisesRegex(ztrain.Error, "do not match"):
+            ztrain.nn.scaled_dot_product_attention(q, k[..., :4], v)
 
 
 def init_distributed():
