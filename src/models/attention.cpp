@@ -28,8 +28,8 @@
 // dP' = dO vᵀ, and with F the dropout factors and D = rowsum(dO ∘ O) (which equals
 // rowsum(P ∘ F ∘ dP'), the softmax's correction): dv += (P ∘ F)ᵀ dO, dS = P ∘ (dP' ∘ F − D) / √d,
 // dq = dS k, dk += dSᵀ Q. Five gemms a block, two of them accumulating into dk and dv, which the
-// (batch, head)'s task owns. The blocks run from the last to the first, so that the first, which
-// sees every key, writes dk and dv and the others add.
+// (batch, head)'s task owns. The blocks run from the last to the first, so that the last, which
+// sees the most keys, writes dk and dv and the others add.
 //
 // Dropout is the fused dropout's mask (dropout.cpp) over the [b, h, t_q, t_k] probabilities, drawn
 // row by row: element ((b · h + head) · t_q + i) · t_k + j, under one seed from the default CPU
@@ -38,7 +38,8 @@
 //
 // Under the causal mask a block computes the scores up to its last row's diagonal, so on average
 // kRows / 2 of each row's scores more than it needs: 1 + kRows / t_k times the work of the
-// triangle (libtorch 2.11's CPU flash attention takes query blocks of 256 rows at t ≥ 768).
+// triangle (libtorch 2.11's CPU flash attention takes query blocks of 256 rows at t_q ≥ 768, of
+// 64 from 192, of 32 below).
 
 namespace ztrain::models {
 
@@ -169,7 +170,9 @@ struct Heads {
     TORCH_INTERNAL_ASSERT(x.stride(3) == 1);
     return {x.data_ptr<float>(), x.size(1), x.stride(0), x.stride(1), x.stride(2), x.size(3)};
   }
-  float* row(int64_t bh, int64_t i) const { return data + bh / heads * stride_b + bh % heads * stride_h + i * stride_t; }
+  float* row(int64_t bh, int64_t i) const {
+    return data + bh / heads * stride_b + bh % heads * stride_h + i * stride_t;
+  }
   // Rows [i0, i0 + n) of head bh as an [n, d] matrix, and as its [d, n] transpose.
   torch::Tensor rows(int64_t bh, int64_t i0, int64_t n) const { return view(row(bh, i0), {n, d}, {stride_t, 1}); }
   torch::Tensor rows_t(int64_t bh, int64_t i0, int64_t n) const { return view(row(bh, i0), {d, n}, {1, stride_t}); }
@@ -250,8 +253,10 @@ void backward_head(const Problem& pr, int64_t bh, const Gradients& g, const floa
     if (blk == blocks - 1) {  // the block that sees the most keys: the others' keys are a prefix of its
       at::cpu::mm_out(dv, s_t, go);
       at::cpu::mm_out(dk, dp_t, q);
-      g.dk.rows(bh, width, pr.tk - width).zero_();  // keys no query sees (causal, t_q < t_k)
-      g.dv.rows(bh, width, pr.tk - width).zero_();
+      if (width < pr.tk) {  // keys no query sees (causal, t_q < t_k)
+        g.dk.rows(bh, width, pr.tk - width).zero_();
+        g.dv.rows(bh, width, pr.tk - width).zero_();
+      }
     } else {
       at::cpu::addmm_(dv, s_t, go);
       at::cpu::addmm_(dk, dp_t, q);
@@ -295,7 +300,8 @@ std::vector<torch::Tensor> backward_differentiable(const Problem& pr, const torc
   const auto dropped = prob * factors;
   const auto d_dropped = torch::matmul(grad_out, v.transpose(-2, -1)) * factors;
   const auto ds = prob * (d_dropped - (d_dropped * prob).sum(-1, true)) * pr.scale;
-  return {torch::matmul(ds, k), torch::matmul(ds.transpose(-2, -1), q), torch::matmul(dropped.transpose(-2, -1), grad_out)};
+  return {torch::matmul(ds, k), torch::matmul(ds.transpose(-2, -1), q),
+          torch::matmul(dropped.transpose(-2, -1), grad_out)};
 }
 
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
@@ -306,14 +312,14 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal);
     // [b, t_q, h, d_v], returned as its [b, h, t_q, d_v] view
     const auto y = torch::empty({pr.batch, pr.tq, pr.heads, v.size(3)}, q.options()).transpose(1, 2);
-    auto lse = torch::empty({pr.batch * pr.heads, pr.tq}, q.options());
+    const auto lse = torch::empty({pr.batch * pr.heads, pr.tq}, q.options());
     const Heads out = Heads::of(y);
     const int64_t blocks = (pr.tq + kRows - 1) / kRows;
     at::parallel_for(0, pr.batch * pr.heads * blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buffer(kRows * pr.tk), f(pr.tk);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t bh = task / blocks;
-        forward_block(pr, bh, task % blocks * kRows, out, lse[bh].data_ptr<float>(), buffer.data(), f.data());
+        forward_block(pr, bh, task % blocks * kRows, out, lse.data_ptr<float>() + bh * pr.tq, buffer.data(), f.data());
       }
     });
     ctx->save_for_backward({q, k, v, y, lse});
@@ -344,7 +350,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     at::parallel_for(0, pr.batch * pr.heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> s(kRows * pr.tk), dp(kRows * pr.tk), f(pr.tk);
       for (int64_t bh = begin; bh < end; ++bh) {
-        backward_head(pr, bh, g, lse[bh].data_ptr<float>(), s.data(), dp.data(), f.data());
+        backward_head(pr, bh, g, lse.data_ptr<float>() + bh * pr.tq, s.data(), dp.data(), f.data());
       }
     });
     return {dq, dk, dv, {}, {}};
