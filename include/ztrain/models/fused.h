@@ -47,7 +47,8 @@ torch::Tensor gelu_tanh(const torch::Tensor& x);
 torch::Tensor dropout(const torch::Tensor& x, double p, bool train);
 
 /// at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal) for q [b, h, t_q, d] and k, v
-/// [b, h, t_k, d] (v's head size may differ), fused where it can be: float tensors on the CPU.
+/// [b, h, t_k, d] (v's head size may differ), fused where it can be: float tensors on the CPU,
+/// except up to 64 keys without dropout, where libtorch's kernel costs less per call.
 /// It computes softmax(q kᵀ / √d) v a block of 64 queries at a time, with the causal mask (query i
 /// sees keys 0 … i) and dropout applied to each block's probabilities in cache, and keeps for
 /// backward only each query's log-sum-exp, no [t_q, t_k] matrix. The dropout is the fused
