@@ -50,7 +50,9 @@ using detail::simd::hmax;
 using detail::simd::hsum;
 using detail::simd::kMinusInf;
 using detail::simd::load8;
+using detail::simd::load_part;
 using detail::simd::store8;
+using detail::simd::store_part;
 
 constexpr int64_t kRows = 64;  // query rows a block
 
@@ -83,20 +85,6 @@ void backward_row_scalar(float* s, float* dp, int64_t n, int64_t width, float sc
   }
   std::fill(s + n, s + width, 0.0f);
   std::fill(dp + n, dp + width, 0.0f);
-}
-
-// Elements [0, n) of a row of 8 (n < 8), the rest filled with `pad`.
-ZTRAIN_AVX2 inline __m256 load_part(const float* p, int64_t n, float pad) {
-  float v[8];
-  std::fill(v, v + 8, pad);
-  std::copy(p, p + n, v);
-  return load8(v);
-}
-
-ZTRAIN_AVX2 inline void store_part(float* p, int64_t n, __m256 x) {
-  float v[8];
-  store8(v, x);
-  std::copy(v, v + n, p);
 }
 
 ZTRAIN_AVX2 float forward_row_avx2(float* s, int64_t n, int64_t width, float scale, const float* f) {

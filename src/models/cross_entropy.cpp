@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 // How it works
@@ -31,7 +30,9 @@ using detail::simd::hmax;
 using detail::simd::hsum;
 using detail::simd::kMinusInf;
 using detail::simd::load8;
+using detail::simd::load_part;
 using detail::simd::store8;
+using detail::simd::store_part;
 
 
 // ---- scalar ------------------------------------------------------------------------------------
@@ -50,14 +51,6 @@ void row_grad_scalar(const float* l, float lse, float scale, float* out, int64_t
 
 // ---- AVX2 --------------------------------------------------------------------------------------
 
-// The last v % 8 elements of a row, padded with −inf.
-ZTRAIN_AVX2 inline __m256 load_tail(const float* l, int64_t n) {
-  float padded[8];
-  std::fill(padded, padded + 8, kMinusInf);
-  std::memcpy(padded, l, n * sizeof(float));
-  return load8(padded);
-}
-
 ZTRAIN_AVX2 float row_lse_avx2(const float* l, int64_t v) {
   const int64_t body = v / 8 * 8;
   __m256 m0 = _mm256_set1_ps(kMinusInf), m1 = m0;
@@ -67,7 +60,7 @@ ZTRAIN_AVX2 float row_lse_avx2(const float* l, int64_t v) {
     m1 = _mm256_max_ps(m1, load8(l + j + 8));
   }
   if (j < body) m0 = _mm256_max_ps(m0, load8(l + j));
-  if (body < v) m1 = _mm256_max_ps(m1, load_tail(l + body, v - body));
+  if (body < v) m1 = _mm256_max_ps(m1, load_part(l + body, v - body, kMinusInf));
   const float m = hmax(_mm256_max_ps(m0, m1));
   const __m256 mv = _mm256_set1_ps(m);
   __m256 s0 = _mm256_setzero_ps(), s1 = s0;
@@ -76,7 +69,7 @@ ZTRAIN_AVX2 float row_lse_avx2(const float* l, int64_t v) {
     s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(load8(l + j + 8), mv)));
   }
   if (j < body) s0 = _mm256_add_ps(s0, exp8(_mm256_sub_ps(load8(l + j), mv)));
-  if (body < v) s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(load_tail(l + body, v - body), mv)));
+  if (body < v) s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(load_part(l + body, v - body, kMinusInf), mv)));
   return m + std::log(hsum(_mm256_add_ps(s0, s1)));
 }
 
@@ -85,9 +78,8 @@ ZTRAIN_AVX2 void row_grad_avx2(const float* l, float lse, float scale, float* ou
   const int64_t body = v / 8 * 8;
   for (int64_t j = 0; j < body; j += 8) store8(out + j, _mm256_mul_ps(exp8(_mm256_sub_ps(load8(l + j), lv)), sv));
   if (body == v) return;
-  float result[8];
-  store8(result, _mm256_mul_ps(exp8(_mm256_sub_ps(load_tail(l + body, v - body), lv)), sv));
-  std::memcpy(out + body, result, (v - body) * sizeof(float));
+  const __m256 tail = load_part(l + body, v - body, kMinusInf);
+  store_part(out + body, v - body, _mm256_mul_ps(exp8(_mm256_sub_ps(tail, lv)), sv));
 }
 
 // ---- the function ------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ GptConfig GptConfig::preset(const std::string& name) {
   if (name == "tiny") return {.vocab_size = 256, .context = 64, .d_model = 64, .n_layer = 2, .n_head = 2};
   if (name == "small") return {.vocab_size = 256, .context = 256, .d_model = 256, .n_layer = 4, .n_head = 4};
   if (name == "medium") return {.vocab_size = 256, .context = 512, .d_model = 512, .n_layer = 8, .n_head = 8};
-  if (name == "gpt2") return {.vocab_size = 50257, .context = 1024, .d_model = 768, .n_layer = 12, .n_head = 12, .dropout = 0.1};
+  if (name == "gpt2") {
+    return {.vocab_size = 50257, .context = 1024, .d_model = 768, .n_layer = 12, .n_head = 12, .dropout = 0.1};
+  }
   std::string names;
   for (const auto& n : preset_names()) names += " " + n;
   ZTRAIN_CHECK(false, "unknown GPT preset '", name, "'; presets:", names);
@@ -83,7 +85,9 @@ torch::Tensor dropped(const torch::nn::Dropout& m, const torch::Tensor& x) {
 }  // namespace
 
 GptAttentionImpl::GptAttentionImpl(const GptConfig& c, Communicator* tp)
-    : n_head(c.n_head / size_of(tp::resolve_group(tp))), head_dim(c.d_model / c.n_head), c_attn(column(c.d_model, 3 * c.d_model, tp, 3)),
+    : n_head(c.n_head / size_of(tp::resolve_group(tp))),
+      head_dim(c.d_model / c.n_head),
+      c_attn(column(c.d_model, 3 * c.d_model, tp, 3)),
       c_proj(row(c.d_model, c.d_model, tp)),
       attn_dropout(c.dropout), resid_dropout(c.dropout), fused(c.fused_attention) {
   register_module("c_attn", c_attn);
@@ -229,8 +233,8 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
 }
 
 torch::Tensor GptImpl::loss(const torch::Tensor& tokens) {
-  ZTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) >= 2, "GPT loss: tokens must be [batch, seq + 1] with seq >= 1, got ",
-               tokens.sizes());
+  ZTRAIN_CHECK(tokens.dim() == 2 && tokens.size(1) >= 2,
+               "GPT loss: tokens must be [batch, seq + 1] with seq >= 1, got ", tokens.sizes());
   return next_token_loss(local_logits(tokens.slice(1, 0, -1)), tokens, tp_);
 }
 

@@ -12,7 +12,9 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #define ZTRAIN_AVX2 __attribute__((target("avx2,fma")))
@@ -55,6 +57,21 @@ ZTRAIN_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 /// Rounds to nearest even, as c10::BFloat16 does.
 ZTRAIN_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
   ztrain::detail::avx2_store_bf16(reinterpret_cast<uint16_t*>(p), v);
+}
+
+/// Elements [0, n) of 8 (n < 8), the rest filled with `pad`: a row's tail.
+ZTRAIN_AVX2 inline __m256 load_part(const float* p, int64_t n, float pad) {
+  float v[8];
+  std::fill(v, v + 8, pad);
+  std::copy(p, p + n, v);
+  return load8(v);
+}
+
+/// Stores elements [0, n) of x (n < 8).
+ZTRAIN_AVX2 inline void store_part(float* p, int64_t n, __m256 x) {
+  float v[8];
+  store8(v, x);
+  std::copy(v, v + n, p);
 }
 
 /// The largest and the sum of a register's 8 floats.
