@@ -1,6 +1,7 @@
 #pragma once
 // A Llama-style decoder in plain libtorch: RMSNorm, rotary position embeddings, causal
-// self-attention, a SwiGLU feed-forward and an untied output head. The Booster trains it
+// self-attention with grouped-query heads (several query heads share each key and value head,
+// as in Llama 2 70B and Llama 3), a SwiGLU feed-forward and an untied output head. The Booster trains it
 // unchanged under every plugin (examples/llama/train.cpp); nothing in the model knows about
 // ranks. Its ztrain types are drop-ins, identical alone: the layer stack is a ztrain::LayerList
 // (for torch::nn::ModuleList), which lets FullyShard shard the layers one by one, and the
@@ -8,13 +9,13 @@
 // them over tensor-parallel ranks as `policy()` at the end says — the one model-specific part.
 
 #include <ztrain/booster/policy.h>
+#include <ztrain/models/fused.h>
 #include <ztrain/tp/nn.h>
 #include <ztrain/zero/layer_list.h>
 
 #include <torch/torch.h>
 
-#include <cmath>
-#include <limits>
+#include <optional>
 #include <utility>
 
 namespace llama {
@@ -24,6 +25,7 @@ struct Config {
   int64_t dim = 128;
   int64_t layers = 4;
   int64_t heads = 4;
+  int64_t kv_heads = 2;   // key and value heads, a divisor of heads
   int64_t hidden = 344;   // SwiGLU width: about 8/3 × dim
   int64_t context = 128;
   double rope_theta = 10000.0;
@@ -59,9 +61,11 @@ inline torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, co
 
 struct AttentionImpl : torch::nn::Module {
   explicit AttentionImpl(const Config& c)
-      : heads(c.heads), head_dim(c.dim / c.heads),
-        wq(torch::nn::LinearOptions(c.dim, c.dim).bias(false)), wk(torch::nn::LinearOptions(c.dim, c.dim).bias(false)),
-        wv(torch::nn::LinearOptions(c.dim, c.dim).bias(false)), wo(torch::nn::LinearOptions(c.dim, c.dim).bias(false)) {
+      : heads(c.heads), kv_heads(c.kv_heads), head_dim(c.dim / c.heads),
+        wq(torch::nn::LinearOptions(c.dim, c.dim).bias(false)),
+        wk(torch::nn::LinearOptions(c.dim, c.kv_heads * head_dim).bias(false)),
+        wv(torch::nn::LinearOptions(c.dim, c.kv_heads * head_dim).bias(false)),
+        wo(torch::nn::LinearOptions(c.dim, c.dim).bias(false)) {
     register_module("wq", wq);
     register_module("wk", wk);
     register_module("wv", wv);
@@ -69,21 +73,23 @@ struct AttentionImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
     const auto b = x.size(0), t = x.size(1);
-    auto split = [&](const torch::Tensor& y) { return y.view({b, t, heads, head_dim}).transpose(1, 2); };
-    auto q = rotate(split(wq(x)), cos, sin), k = rotate(split(wk(x)), cos, sin), v = split(wv(x));
-    auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
-    auto mask = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
-    auto att = torch::softmax(scores.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-    return wo(torch::matmul(att, v).transpose(1, 2).reshape({b, t, -1}));
+    auto split = [&](const torch::Tensor& y, int64_t n) { return y.view({b, t, n, head_dim}).transpose(1, 2); };
+    auto q = rotate(split(wq(x), heads), cos, sin), k = rotate(split(wk(x), kv_heads), cos, sin);
+    // softmax(q kᵀ / √head_dim, causal) v, each key and value head serving heads / kv_heads query
+    // heads: at::scaled_dot_product_attention, fused on the CPU (models/fused.h)
+    auto y = ztrain::models::attention(q, k, split(wv(x), kv_heads), /*dropout_p=*/0.0, /*causal=*/true,
+                                       std::nullopt, /*enable_gqa=*/true);
+    return wo(y.transpose(1, 2).reshape({b, t, -1}));
   }
-  int64_t heads, head_dim;  // heads: on this rank (policy() divides them over tp)
+  int64_t heads, kv_heads, head_dim;  // heads: on this rank (policy() divides them over tp)
   ztrain::nn::Linear wq, wk, wv, wo;
 };
 TORCH_MODULE(Attention);
 
 struct FeedForwardImpl : torch::nn::Module {
   explicit FeedForwardImpl(const Config& c)
-      : w1(torch::nn::LinearOptions(c.dim, c.hidden).bias(false)), w2(torch::nn::LinearOptions(c.hidden, c.dim).bias(false)),
+      : w1(torch::nn::LinearOptions(c.dim, c.hidden).bias(false)),
+        w2(torch::nn::LinearOptions(c.hidden, c.dim).bias(false)),
         w3(torch::nn::LinearOptions(c.dim, c.hidden).bias(false)) {
     register_module("w1", w1);
     register_module("w2", w2);
@@ -121,6 +127,8 @@ struct LlamaImpl : torch::nn::Module {
         layers(static_cast<size_t>(c.layers), [&c](size_t) { return DecoderLayer(c); }), norm(c.dim, c.norm_eps),
         output(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)) {
     TORCH_CHECK(c.dim % c.heads == 0 && (c.dim / c.heads) % 2 == 0, "llama: dim / heads must be even");
+    TORCH_CHECK(c.kv_heads > 0 && c.heads % c.kv_heads == 0, "llama: ", c.kv_heads,
+                " key and value heads do not divide ", c.heads, " heads");
     register_module("tok_embeddings", tok_embeddings);
     register_module("layers", layers);
     register_module("norm", norm);
@@ -193,10 +201,13 @@ inline ztrain::Policy policy() {
           .adapt =
               [llama](torch::nn::Module& m, int tp) {
                 auto& model = llama(m);
-                TORCH_CHECK(model.config.heads % tp == 0, "llama: ", model.config.heads, " heads do not split over ",
-                            tp, " tensor-parallel ranks");
+                TORCH_CHECK(model.config.kv_heads % tp == 0, "llama: ", model.config.kv_heads,
+                            " key and value heads do not split over ", tp, " tensor-parallel ranks");
                 for (size_t i = 0; i < model.layers->size(); ++i) {  // the layers made here
-                  if (model.layers->holds(i)) (*model.layers)[i].module()->attention->heads = model.config.heads / tp;
+                  if (!model.layers->holds(i)) continue;
+                  auto& attention = *(*model.layers)[i].module()->attention;
+                  attention.heads = model.config.heads / tp;
+                  attention.kv_heads = model.config.kv_heads / tp;
                 }
               }};
 }

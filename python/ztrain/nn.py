@@ -251,14 +251,21 @@ def dropout(input, p=0.5, training=True):
     return _C._dropout(input, float(p), bool(training))
 
 
-def scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False):
-    """torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p,
-    is_causal=is_causal) without a mask, for (batch, heads, tokens, head size) tensors: on the
-    CPU in float it works a block of 64 queries at a time and keeps only each query's log-sum-exp
-    for backward, with the dropout of ztrain.nn.dropout applied to the probabilities inside the
-    block (torch's CPU attention with dropout materialises them and draws with bernoulli_). The
-    output is a view of a (batch, tokens, heads, head size) tensor."""
-    return _C._attention(query, key, value, float(dropout_p), bool(is_causal))
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention, with the same arguments. Without a mask, for
+    (batch, heads, tokens, head size) tensors, on the CPU in float: it works a block of 64 queries
+    at a time and keeps only each query's log-sum-exp for backward, with the dropout of
+    ztrain.nn.dropout applied to the probabilities inside the block (torch's CPU attention with
+    dropout materialises them and draws with bernoulli_); under enable_gqa the key and value heads
+    serve their groups of query heads in place. The output is then a view of a (batch, tokens,
+    heads, head size) tensor. With attn_mask, or tensors of other ranks, it is torch's function,
+    dropout included."""
+    if attn_mask is not None or not query.dim() == key.dim() == value.dim() == 4:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return _C._attention(query, key, value, float(dropout_p), bool(is_causal),
+                         None if scale is None else float(scale), bool(enable_gqa))
 
 
 class Dropout(torch.nn.Dropout):

@@ -174,6 +174,7 @@ struct Heads {
 struct Problem {
   Heads q, k, v;
   int64_t batch, heads, tq, tk;
+  int64_t group;  // query heads a key head serves
   float scale;
   bool causal;
   double p;       // dropout
@@ -181,6 +182,8 @@ struct Problem {
   bool simd;
 
   int64_t keys_seen(int64_t row) const { return causal ? std::min(row + 1, tk) : tk; }
+  // The key and value head (b · heads / group + h / group) of query head bh (b · heads + h).
+  int64_t kv(int64_t bh) const { return bh / heads * (heads / group) + bh % heads / group; }
   // The dropout factors of row i of head bh (b · heads + h), keys [0, n); null without dropout.
   const float* factors(int64_t bh, int64_t i, int64_t n, float* f) const {
     if (p == 0) return nullptr;
@@ -196,7 +199,7 @@ torch::Tensor matrix_t(float* data, int64_t rows, int64_t cols) { return Heads::
 void forward_block(const Problem& pr, int64_t bh, int64_t i0, const Heads& out, float* lse, float* buffer, float* f) {
   const int64_t rows = std::min(kRows, pr.tq - i0), width = pr.keys_seen(i0 + rows - 1);
   auto s = matrix(buffer, rows, width);
-  at::cpu::mm_out(s, pr.q.rows(bh, i0, rows), pr.k.rows_t(bh, 0, width));
+  at::cpu::mm_out(s, pr.q.rows(bh, i0, rows), pr.k.rows_t(pr.kv(bh), 0, width));
   for (int64_t i = i0; i < i0 + rows; ++i) {
     const int64_t n = pr.keys_seen(i);
     const float* factors = pr.factors(bh, i, n, f);
@@ -205,22 +208,24 @@ void forward_block(const Problem& pr, int64_t bh, int64_t i0, const Heads& out, 
                      : forward_row_scalar(row, n, width, pr.scale, factors);
   }
   auto o = out.rows(bh, i0, rows);
-  at::cpu::mm_out(o, s, pr.v.rows(bh, 0, width));
+  at::cpu::mm_out(o, s, pr.v.rows(pr.kv(bh), 0, width));
 }
 
 struct Gradients {
   Heads grad_out, out, dq, dk, dv;
 };
 
-void backward_head(const Problem& pr, int64_t bh, const Gradients& g, const float* lse, float* s_buffer,
+// Query head bh's share of dq, dk and dv; `first`: the first of its key head's query heads, which
+// writes dk and dv where the others add to them.
+void backward_head(const Problem& pr, int64_t bh, bool first, const Gradients& g, const float* lse, float* s_buffer,
                    float* dp_buffer, float* f) {
-  const int64_t blocks = (pr.tq + kRows - 1) / kRows;
+  const int64_t blocks = (pr.tq + kRows - 1) / kRows, kv = pr.kv(bh);
   for (int64_t blk = blocks - 1; blk >= 0; --blk) {
     const int64_t i0 = blk * kRows, rows = std::min(kRows, pr.tq - i0), width = pr.keys_seen(i0 + rows - 1);
     auto s = matrix(s_buffer, rows, width), dp = matrix(dp_buffer, rows, width);
     const auto q = pr.q.rows(bh, i0, rows), go = g.grad_out.rows(bh, i0, rows);
-    at::cpu::mm_out(s, q, pr.k.rows_t(bh, 0, width));
-    at::cpu::mm_out(dp, go, pr.v.rows_t(bh, 0, width));
+    at::cpu::mm_out(s, q, pr.k.rows_t(kv, 0, width));
+    at::cpu::mm_out(dp, go, pr.v.rows_t(kv, 0, width));
     for (int64_t i = i0; i < i0 + rows; ++i) {
       const float *dyi = g.grad_out.row(bh, i), *yi = g.out.row(bh, i);
       float d = 0;  // D = dO · O, the softmax's correction
@@ -235,15 +240,15 @@ void backward_head(const Problem& pr, int64_t bh, const Gradients& g, const floa
       }
     }
     auto dq = g.dq.rows(bh, i0, rows);
-    at::cpu::mm_out(dq, dp, pr.k.rows(bh, 0, width));
-    auto dk = g.dk.rows(bh, 0, width), dv = g.dv.rows(bh, 0, width);
+    at::cpu::mm_out(dq, dp, pr.k.rows(kv, 0, width));
+    auto dk = g.dk.rows(kv, 0, width), dv = g.dv.rows(kv, 0, width);
     const auto s_t = matrix_t(s_buffer, rows, width), dp_t = matrix_t(dp_buffer, rows, width);
-    if (blk == blocks - 1) {  // the block that sees the most keys: the others' keys are a prefix of its
+    if (first && blk == blocks - 1) {  // the block that sees the most keys: the others' keys are a prefix of its
       at::cpu::mm_out(dv, s_t, go);
       at::cpu::mm_out(dk, dp_t, q);
       if (width < pr.tk) {  // keys no query sees (causal, t_q < t_k)
-        g.dk.rows(bh, width, pr.tk - width).zero_();
-        g.dv.rows(bh, width, pr.tk - width).zero_();
+        g.dk.rows(kv, width, pr.tk - width).zero_();
+        g.dv.rows(kv, width, pr.tk - width).zero_();
       }
     } else {
       at::cpu::addmm_(dv, s_t, go);
@@ -256,7 +261,7 @@ void backward_head(const Problem& pr, int64_t bh, const Gradients& g, const floa
 torch::Tensor rows_contiguous(const torch::Tensor& x) { return x.stride(-1) == 1 ? x : x.contiguous(); }
 
 Problem problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double p, uint64_t seed,
-                   bool causal) {
+                   bool causal, double scale) {
   return {.q = Heads::of(q),
           .k = Heads::of(k),
           .v = Heads::of(v),
@@ -264,7 +269,8 @@ Problem problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::
           .heads = q.size(1),
           .tq = q.size(2),
           .tk = k.size(2),
-          .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.size(3)))),
+          .group = q.size(1) / k.size(1),
+          .scale = static_cast<float>(scale),
           .causal = causal,
           .p = p,
           .seed = seed,
@@ -273,8 +279,11 @@ Problem problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::
 
 // The same in differentiable libtorch operations on the whole [b, h, t_q, t_k] matrices: the
 // backward of a backward that builds a graph (create_graph).
-std::vector<torch::Tensor> backward_differentiable(const Problem& pr, const torch::Tensor& q, const torch::Tensor& k,
-                                                   const torch::Tensor& v, const torch::Tensor& grad_out) {
+std::vector<torch::Tensor> backward_differentiable(const Problem& pr, const torch::Tensor& q,
+                                                   const torch::Tensor& key, const torch::Tensor& value,
+                                                   const torch::Tensor& grad_out) {
+  // each key head repeated for the query heads it serves, their gradients summed back below
+  const auto k = key.repeat_interleave(pr.group, 1), v = value.repeat_interleave(pr.group, 1);
   auto scores = torch::matmul(q, k.transpose(-2, -1)) * pr.scale;
   if (pr.causal) {
     scores = scores.masked_fill(torch::ones({pr.tq, pr.tk}, q.options().dtype(torch::kBool)).triu(1), kMinusInf);
@@ -288,16 +297,18 @@ std::vector<torch::Tensor> backward_differentiable(const Problem& pr, const torc
   const auto dropped = prob * factors;
   const auto d_dropped = torch::matmul(grad_out, v.transpose(-2, -1)) * factors;
   const auto ds = prob * (d_dropped - (d_dropped * prob).sum(-1, true)) * pr.scale;
-  return {torch::matmul(ds, k), torch::matmul(ds.transpose(-2, -1), q),
-          torch::matmul(dropped.transpose(-2, -1), grad_out)};
+  const auto per_key_head = [&](const torch::Tensor& x) { return x.unflatten(1, {-1, pr.group}).sum(2); };
+  return {torch::matmul(ds, k), per_key_head(torch::matmul(ds.transpose(-2, -1), q)),
+          per_key_head(torch::matmul(dropped.transpose(-2, -1), grad_out))};
 }
 
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& query,
-                               const torch::Tensor& key, const torch::Tensor& value, double p, bool causal) {
+                               const torch::Tensor& key, const torch::Tensor& value, double p, bool causal,
+                               double scale) {
     RECORD_FUNCTION("ztrain::attention", std::vector<c10::IValue>({query, key, value}));
     const auto q = rows_contiguous(query), k = rows_contiguous(key), v = rows_contiguous(value);
-    const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal);
+    const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal, scale);
     // [b, t_q, h, d_v], returned as its [b, h, t_q, d_v] view
     const auto y = torch::empty({pr.batch, pr.tq, pr.heads, v.size(3)}, q.options()).transpose(1, 2);
     const auto lse = torch::empty({pr.batch * pr.heads, pr.tq}, q.options());
@@ -314,6 +325,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     ctx->saved_data["seed"] = static_cast<int64_t>(pr.seed);
     ctx->saved_data["p"] = p;
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
     return y;
   }
 
@@ -324,50 +336,58 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &y = saved[3], &lse = saved[4];
     const Problem pr = problem_of(q, k, v, ctx->saved_data["p"].toDouble(),
                                   static_cast<uint64_t>(ctx->saved_data["seed"].toInt()),
-                                  ctx->saved_data["causal"].toBool());
+                                  ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
     if (torch::GradMode::is_enabled()) {
       auto g = backward_differentiable(pr, q, k, v, grads[0]);
-      return {g[0], g[1], g[2], {}, {}};
+      return {g[0], g[1], g[2], {}, {}, {}};
     }
     const auto grad_out = rows_contiguous(grads[0]);
     // each [b, t, h, d], returned as its [b, h, t, d] view
     const auto dq = torch::empty({pr.batch, pr.tq, pr.heads, q.size(3)}, q.options()).transpose(1, 2);
-    const auto dk = torch::empty({pr.batch, pr.tk, pr.heads, k.size(3)}, k.options()).transpose(1, 2);
-    const auto dv = torch::empty({pr.batch, pr.tk, pr.heads, v.size(3)}, v.options()).transpose(1, 2);
+    const auto dk = torch::empty({pr.batch, pr.tk, k.size(1), k.size(3)}, k.options()).transpose(1, 2);
+    const auto dv = torch::empty({pr.batch, pr.tk, v.size(1), v.size(3)}, v.options()).transpose(1, 2);
     const Gradients g{Heads::of(grad_out), Heads::of(y), Heads::of(dq), Heads::of(dk), Heads::of(dv)};
-    at::parallel_for(0, pr.batch * pr.heads, 1, [&](int64_t begin, int64_t end) {
+    // a task per key head, its query heads in turn: only it writes that head's dk and dv
+    at::parallel_for(0, pr.batch * pr.heads / pr.group, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> s(kRows * pr.tk), dp(kRows * pr.tk), f(pr.tk);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        backward_head(pr, bh, g, lse.data_ptr<float>() + bh * pr.tq, s.data(), dp.data(), f.data());
+      for (int64_t task = begin; task < end; ++task) {
+        for (int64_t member = 0; member < pr.group; ++member) {
+          const int64_t bh = task * pr.group + member;
+          backward_head(pr, bh, member == 0, g, lse.data_ptr<float>() + bh * pr.tq, s.data(), dp.data(), f.data());
+        }
       }
     });
-    return {dq, dk, dv, {}, {}};
+    return {dq, dk, dv, {}, {}, {}};
   }
 };
 
 }  // namespace
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p,
-                        bool causal) {
+                        bool causal, std::optional<double> scale, bool enable_gqa) {
   ZTRAIN_CHECK(dropout_p >= 0 && dropout_p <= 1, "attention: the dropout probability must be in [0, 1], got ",
                dropout_p);
   ZTRAIN_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                "attention: q, k and v must be [batch, heads, tokens, head size], got ", q.sizes(), ", ", k.sizes(),
                " and ", v.sizes());
-  ZTRAIN_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) &&
-                   v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
+  ZTRAIN_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3) && v.size(0) == k.size(0) &&
+                   v.size(1) == k.size(1) && v.size(2) == k.size(2),
                "attention: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
-               " do not match: they need the same batch and heads, q and k the same head size, k and v the same "
+               " do not match: they need the same batch, q and k the same head size, k and v the same heads and "
                "tokens");
+  ZTRAIN_CHECK(q.size(1) == k.size(1) || (enable_gqa && k.size(1) > 0 && q.size(1) % k.size(1) == 0),
+               "attention: q has ", q.size(1), " heads and k and v ", k.size(1),
+               enable_gqa ? ", which does not divide them" : " (sharing key heads needs enable_gqa)");
+  const double scale_or_default = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
   const bool fused = q.device().is_cpu() && q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
                      v.scalar_type() == torch::kFloat && q.layout() == torch::kStrided && q.numel() > 0 &&
-                     k.numel() > 0 && dropout_p < 1;
+                     k.numel() > 0 && dropout_p < 1 && scale_or_default > 0 && std::isfinite(scale_or_default);
   // Up to one block of keys without dropout, libtorch's CPU flash attention costs less per call
   // (docs/benchmarks.md: 5.5 against 6.5 ms forward and backward at 2 × 12 × 64 × 64).
   if (!fused || (dropout_p == 0 && k.size(2) <= kRows)) {
-    return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal);
+    return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal, scale, enable_gqa);
   }
-  return FusedAttention::apply(q, k, v, dropout_p, causal);
+  return FusedAttention::apply(q, k, v, dropout_p, causal, scale_or_default);
 }
 
 }  // namespace ztrain::models

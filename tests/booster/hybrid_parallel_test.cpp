@@ -287,7 +287,9 @@ TEST(HybridParallel, SplitsWhatThePolicyNamesAndShardsTheRest) {
   EXPECT_EQ(model->tok_embeddings->weight.sizes(), (std::vector<int64_t>{c.vocab / 2, c.dim}));
   EXPECT_EQ(model->output->weight.sizes(), (std::vector<int64_t>{c.vocab / 2, c.dim}));
   EXPECT_EQ(model->norm->weight.sizes(), (std::vector<int64_t>{c.dim})) << "norms stay replicated";
+  EXPECT_EQ(layer->attention->wk->weight.sizes(), (std::vector<int64_t>{c.dim / c.heads * c.kv_heads / 2, c.dim}));
   EXPECT_EQ(layer->attention->heads, c.heads / 2) << "the policy's adapt divides the heads";
+  EXPECT_EQ(layer->attention->kv_heads, c.kv_heads / 2);
   EXPECT_EQ(layer->attention->wq->style().role, nn::TpRole::kColumn);
   // The optimizer still updates the model's parameter objects, now the slices.
   EXPECT_TRUE(std::any_of(opt.param_groups()[0].params().begin(), opt.param_groups()[0].params().end(),

@@ -1,10 +1,10 @@
 #pragma once
 // The parity harness the plugin tests share: two model families — the Llama-style decoder of
-// examples/llama/llama.h (RMSNorm, rotary embeddings, SwiGLU, untied head) and the GPT-2
-// architecture in plain modules (models::PlainGpt, tied head) — trained for 20 clipped steps
-// by one process on the global batch, or by every rank on its data-parallel share under a
-// plugin; and the comparison of the two runs (losses and final parameters within 1e-5
-// relative in fp32).
+// examples/llama/llama.h (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, untied
+// head) and the GPT-2 architecture in plain modules (models::PlainGpt, tied head) — trained for
+// 20 clipped steps by one process on the global batch, or by every rank on its data-parallel
+// share under a plugin; and the comparison of the two runs (losses and final parameters within
+// 1e-5 relative in fp32).
 
 #include "../../examples/llama/llama.h"
 #include "test_util.h"
@@ -35,7 +35,9 @@ struct Family {
   bool by_stage = false;
 };
 
-inline llama::Config small_llama() { return {.vocab = 64, .dim = 32, .layers = 2, .heads = 4, .hidden = 96, .context = kSeq}; }
+inline llama::Config small_llama() {
+  return {.vocab = 64, .dim = 32, .layers = 2, .heads = 8, .kv_heads = 4, .hidden = 96, .context = kSeq};
+}
 
 inline Family llama_family() {
   const auto c = small_llama();

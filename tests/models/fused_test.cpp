@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 namespace ztrain::test {
 namespace {
@@ -453,6 +454,66 @@ TEST(Attention, SecondDerivativeMatchesTheEagerOnes) {
   EXPECT_LT(max_error(results[0][1], results[1][1]), 1e-4);
 }
 
+TEST(Attention, ScaleAndSharedKeyHeadsMatchTheExactAttention) {
+  struct Case {
+    int64_t tq, tk, heads, kv_heads;
+    bool causal;
+    std::optional<double> scale;
+  };
+  in_every_kernel([] {
+    for (auto c : {Case{130, 130, 6, 2, true, 0.3}, Case{70, 130, 4, 1, false, std::nullopt},
+                   Case{130, 70, 3, 3, true, 0.05}, Case{65, 65, 4, 4, true, 2.0}}) {
+      SCOPED_TRACE(std::to_string(c.tq) + " × " + std::to_string(c.tk) + ", heads " + std::to_string(c.heads) + "/" +
+                   std::to_string(c.kv_heads));
+      torch::manual_seed(19);
+      const auto q = torch::randn({2, c.heads, c.tq, 16}).requires_grad_();
+      const auto k = torch::randn({2, c.kv_heads, c.tk, 16}).requires_grad_();
+      const auto v = torch::randn({2, c.kv_heads, c.tk, 8}).requires_grad_();
+      const auto dy = torch::randn({2, c.heads, c.tq, 8});
+      const auto got = with_grads(models::attention(q, k, v, 0.0, c.causal, c.scale, true), {q, k, v}, dy);
+      std::vector<torch::Tensor> in;
+      for (const auto& x : {q, k, v}) in.push_back(x.detach().to(torch::kDouble).requires_grad_());
+      const auto exact = with_grads(
+          at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, c.causal, c.scale, true), in,
+          dy.to(torch::kDouble));
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(max_error(got[i], exact[i]), 2e-5) << kOutputs[i];
+    }
+  });
+}
+
+TEST(Attention, SharedKeyHeadsWithDropoutInAnyThreadsAndTwiceDifferentiated) {
+  // 6 query heads on 2 key heads: against the materialised attention on the repeated key heads
+  torch::manual_seed(20);
+  const auto q = torch::randn({2, 6, 100, 16}).requires_grad_();
+  const auto k = torch::randn({2, 2, 100, 16}).requires_grad_();
+  const auto v = torch::randn({2, 2, 100, 16}).requires_grad_();
+  const auto dy = torch::randn({2, 6, 100, 16});
+  std::vector<std::vector<torch::Tensor>> runs;
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    torch::manual_seed(21);
+    runs.push_back(with_grads(models::attention(q, k, v, 0.3, true, std::nullopt, true), {q, k, v}, dy));
+  }
+  at::set_num_threads(1);
+  torch::manual_seed(21);
+  const auto want = with_grads(eager_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), 0.3, true),
+                               {q, k, v}, dy);
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_TRUE(torch::equal(runs[0][i], runs[1][i])) << kOutputs[i];
+    EXPECT_LT(max_error(runs[0][i], want[i]), 2e-5) << kOutputs[i];
+  }
+  // second derivatives, through the differentiable backward's sum over each key head's queries
+  std::vector<std::vector<torch::Tensor>> results;
+  for (bool fused : {true, false}) {
+    torch::manual_seed(22);
+    const auto y = fused ? models::attention(q, k, v, 0.3, true, std::nullopt, true)
+                         : eager_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), 0.3, true);
+    const auto g = torch::autograd::grad({y}, {q, k, v}, {dy}, true, true);
+    results.push_back(torch::autograd::grad({g[1].pow(2).sum() + g[2].pow(2).sum()}, {q, k, v}));
+  }
+  for (size_t i = 0; i < 3; ++i) EXPECT_LT(max_error(results[0][i], results[1][i]), 1e-3) << kOutputs[i + 1];
+}
+
 TEST(Attention, LibtorchsOutsideFloatOnTheCpuAndErrorsNamed) {
   torch::manual_seed(18);
   const auto q = torch::randn({1, 2, 9, 8}, torch::kDouble), k = torch::randn({1, 2, 9, 8}, torch::kDouble);
@@ -464,6 +525,17 @@ TEST(Attention, LibtorchsOutsideFloatOnTheCpuAndErrorsNamed) {
   EXPECT_NE(error_message([&] { models::attention(f, f.narrow(3, 0, 4), f, 0.0, true); }).find("do not match"),
             std::string::npos);
   EXPECT_NE(error_message([&] { models::attention(f[0], f[0], f[0], 0.0, true); }).find("[batch, heads, tokens"),
+            std::string::npos);
+  // a scale the kernel does not take (not positive and finite): libtorch's
+  const auto g = torch::randn({1, 2, 80, 8});
+  EXPECT_TRUE(torch::equal(models::attention(g, g, g, 0.0, false, -0.5),
+                           at::scaled_dot_product_attention(g, g, g, {}, 0.0, false, -0.5)));
+  const auto one_head = g.narrow(1, 0, 1), three = torch::randn({1, 3, 80, 8});
+  EXPECT_NE(error_message([&] { models::attention(g, one_head, one_head, 0.0, true); })
+                .find("q has 2 heads and k and v 1 (sharing key heads needs enable_gqa)"),
+            std::string::npos);
+  EXPECT_NE(error_message([&] { models::attention(three, g, g, 0.0, true, std::nullopt, true); })
+                .find("q has 3 heads and k and v 2, which does not divide them"),
             std::string::npos);
 }
 

@@ -88,14 +88,17 @@ class GeluAndCrossEntropy(unittest.TestCase):
 
 class Attention(unittest.TestCase):
     def test_against_torch_in_double(self):
-        for causal in (True, False):
-            with self.subTest(causal=causal):
-                q, k, v = (torch.randn(2, 3, 70, 16, requires_grad=True) for _ in range(3))
+        # (causal, scale, key heads: 3, or 1 shared by the 3 query heads)
+        for causal, scale, kv_heads in ((True, None, 3), (False, None, 3), (True, 0.2, 1), (False, 1.5, 1)):
+            with self.subTest(causal=causal, scale=scale, kv_heads=kv_heads):
+                q = torch.randn(2, 3, 70, 16, requires_grad=True)
+                k, v = (torch.randn(2, kv_heads, 70, 16, requires_grad=True) for _ in range(2))
                 dy = torch.randn(2, 3, 70, 16)
-                y = ztrain.nn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                gqa = kv_heads != 3
+                y = ztrain.nn.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
                 grads = torch.autograd.grad(y, (q, k, v), dy)
                 exact_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
-                exact = F.scaled_dot_product_attention(*exact_in, is_causal=causal)
+                exact = F.scaled_dot_product_attention(*exact_in, is_causal=causal, scale=scale, enable_gqa=gqa)
                 exact_grads = torch.autograd.grad(exact, exact_in, dy.double())
                 for got, want in zip((y, *grads), (exact, *exact_grads)):
                     self.assertLess((got.double() - want).abs().max().item(), 2e-5)
@@ -110,6 +113,14 @@ class Attention(unittest.TestCase):
         self.assertLess((y - want).abs().max().item(), 1e-5)
         with self.assertRaisesRegex(ztrain.Error, "do not match"):
             ztrain.nn.scaled_dot_product_attention(q, k[..., :4], v)
+
+    def test_torchs_function_with_a_mask_or_other_ranks(self):
+        q, k, v = (torch.randn(2, 3, 70, 16) for _ in range(3))
+        mask = torch.rand(70, 70) > 0.3
+        self.assertTrue(torch.equal(ztrain.nn.scaled_dot_product_attention(q, k, v, mask),
+                                    F.scaled_dot_product_attention(q, k, v, mask)))
+        self.assertTrue(torch.equal(ztrain.nn.scaled_dot_product_attention(q[0], k[0], v[0], is_causal=True),
+                                    F.scaled_dot_product_attention(q[0], k[0], v[0], is_causal=True)))
 
 
 def init_distributed():

@@ -1,7 +1,7 @@
 #pragma once
-/// Fused CPU kernels for a transformer's element-wise hot spots, drop-ins for the libtorch calls
-/// they replace: each does in one pass over memory, with AVX2, what libtorch's CPU kernels do in
-/// several. The GPT model (models/gpt.h) uses all three; any model may.
+/// Fused CPU kernels for a transformer's hot spots outside its linear layers, drop-ins for the
+/// libtorch calls they replace: each does in one pass over memory, with AVX2, what libtorch's CPU
+/// kernels do in several. The GPT model (models/gpt.h) uses all four; any model may.
 ///
 /// GELU with the tanh approximation (GPT-2's "gelu_new"):
 ///
@@ -35,6 +35,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 
 namespace ztrain::models {
 
@@ -46,19 +47,22 @@ torch::Tensor gelu_tanh(const torch::Tensor& x);
 /// [0, 1] is an error naming it.
 torch::Tensor dropout(const torch::Tensor& x, double p, bool train);
 
-/// at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal) for q [b, h, t_q, d] and k, v
-/// [b, h, t_k, d] (v's head size may differ), fused where it can be: float tensors on the CPU,
+/// at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal, scale, enable_gqa) for q
+/// [b, h, t_q, d] and k, v [b, h_kv, t_k, d] (v's head size may differ; h_kv = h, or with
+/// enable_gqa any divisor of h, query head i then attending with key head i / (h / h_kv)), fused
+/// where it can be: float tensors on the CPU with a positive finite scale (default 1 / √d),
 /// except up to 64 keys without dropout, where libtorch's kernel costs less per call.
-/// It computes softmax(q kᵀ / √d) v a block of 64 queries at a time, with the causal mask (query i
-/// sees keys 0 … i) and dropout applied to each block's probabilities in cache, and keeps for
-/// backward only each query's log-sum-exp, no [t_q, t_k] matrix. The dropout is the fused
-/// dropout's mask over the [b, h, t_q, t_k] probabilities under one seed from the default CPU
-/// generator: the result equals models::dropout applied to the materialised probabilities under
-/// the same generator state. libtorch's CPU attention with dropout is its unfused path, which
-/// materialises the probabilities and draws the mask with bernoulli_. The output is a [b, h, t_q,
-/// d] view of a [b, t_q, h, d] tensor, so that heads → features is a view, not a copy.
+/// It computes softmax(q kᵀ · scale) v a block of 64 queries at a time, with the causal mask (query
+/// i sees keys 0 … i) and dropout applied to each block's probabilities in cache, and keeps for
+/// backward only each query's log-sum-exp, no [t_q, t_k] matrix; key heads shared by several
+/// query heads are read in place, not repeated. The dropout is the fused dropout's mask over the
+/// [b, h, t_q, t_k] probabilities under one seed from the default CPU generator: the result equals
+/// models::dropout applied to the materialised probabilities under the same generator state.
+/// libtorch's CPU attention with dropout is its unfused path, which materialises the probabilities
+/// and draws the mask with bernoulli_. The output is a [b, h, t_q, d] view of a [b, t_q, h, d]
+/// tensor, so that heads → features is a view, not a copy.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p,
-                        bool causal);
+                        bool causal, std::optional<double> scale = std::nullopt, bool enable_gqa = false);
 
 /// torch::nn::functional::cross_entropy(logits, targets) for logits [N, V] and targets [N] with
 /// the mean reduction, fused where it can be. Targets outside [0, V) other than ignore_index are
