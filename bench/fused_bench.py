@@ -35,34 +35,46 @@ def with_backward(op, x, grad):
     return run
 
 
-def attention(args):
-    """GPT-2's causal self-attention: ztrain.nn against F.scaled_dot_product_attention and against
-    the materialised form (scores, softmax, dropout, product) with ztrain's dropout."""
-    print(f"{'causal attention, ms a call':38} {'ztrain':>8} {'torch':>8} {'ratio':>6} | {'fwd+bwd':>8} {'torch':>8} "
-          f"{'ratio':>6} | {'materialised':>12}")
+def attention(args, batch, heads, kv_heads):
+    """Causal self-attention over heads of 64: ztrain.nn against F.scaled_dot_product_attention and
+    against the materialised form (scores, softmax, dropout, product) with ztrain's dropout. With
+    as many key heads as query heads (GPT-2's), q, k and v are views of one tensor, as a GPT's one
+    linear makes them; with fewer, each key and value head serves its group of query heads
+    (enable_gqa; the materialised form repeats them)."""
+    group = heads // kv_heads
+    layout = f"{batch}x{heads}" + (f" on {kv_heads}" if group > 1 else "")
+    print(f"{f'causal attention {layout}, ms a call':38} {'ztrain':>8} {'torch':>8} {'ratio':>6} | {'fwd+bwd':>8} "
+          f"{'torch':>8} {'ratio':>6} | {'materialised':>12}")
     for t in args.tokens:
         for p in (0.0, args.p):
-            qkv = torch.randn(2, t, 3, 12, 64, requires_grad=True)  # q, k, v as a GPT's one linear makes them
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            if group == 1:
+                qkv = torch.randn(batch, t, 3, heads, 64, requires_grad=True)
+                q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+                inputs = (qkv,)
+            else:
+                q = torch.randn(batch, heads, t, 64, requires_grad=True)
+                k, v = (torch.randn(batch, kv_heads, t, 64, requires_grad=True) for _ in range(2))
+                inputs = (q, k, v)
             mask = torch.full((t, t), -math.inf).triu(1)
 
             def ours():
-                return ztrain.nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return ztrain.nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                              enable_gqa=group > 1)
 
             def theirs():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=group > 1)
 
             def materialised():
-                scores = (q @ k.transpose(-2, -1)) / 8 + mask
-                return ztrain.nn.dropout(scores.softmax(-1), p) @ v
+                scores = (q @ k.repeat_interleave(group, 1).transpose(-2, -1)) / 8 + mask
+                return ztrain.nn.dropout(scores.softmax(-1), p) @ v.repeat_interleave(group, 1)
 
-            grad = torch.randn(2, 12, t, 64)
+            grad = torch.randn(batch, heads, t, 64)
 
             def both(op):
-                return lambda: torch.autograd.grad(op(), (qkv,), grad)
+                return lambda: torch.autograd.grad(op(), inputs, grad)
             fwd = [per_element(op, 1e6, args.calls, args.repeats) for op in (ours, theirs)]
             fb = [per_element(both(op), 1e6, args.calls, args.repeats) for op in (ours, theirs, materialised)]
-            print(f"{f'2x12x{t}x64, dropout {p}':38} {fwd[0]:8.1f} {fwd[1]:8.1f} {fwd[1] / fwd[0]:6.2f} | "
+            print(f"{f'{t} tokens, dropout {p}':38} {fwd[0]:8.1f} {fwd[1]:8.1f} {fwd[1] / fwd[0]:6.2f} | "
                   f"{fb[0]:8.1f} {fb[1]:8.1f} {fb[1] / fb[0]:6.2f} | {fb[2]:12.1f}")
 
 
@@ -72,7 +84,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability")
     parser.add_argument("--tokens", type=int, nargs="*", default=[256, 1024],
-                        help="sequence lengths of the causal attention cases (batch 2, 12 heads of 64)")
+                        help="sequence lengths of the causal attention cases")
     args = parser.parse_args()
     torch.manual_seed(0)
     vocab = 50257
@@ -99,7 +111,8 @@ def main():
         both = [per_element(with_backward(op, x, grad), n, args.calls, args.repeats) for op in (ours, theirs)]
         print(f"{name:38} {fwd[0]:8.2f} {fwd[1]:8.2f} {fwd[1] / fwd[0]:6.1f} | "
               f"{both[0]:8.2f} {both[1]:8.2f} {both[1] / both[0]:6.1f}")
-    attention(args)
+    attention(args, 2, 12, 12)  # GPT-2's
+    attention(args, 1, 16, 4)  # grouped-query, Llama-style
     mul = torch.randn(1 << 20)
     print(f"{'(a multiply of 2^20 floats)':38} {per_element(lambda: mul * 2, mul.numel(), args.calls, args.repeats):8.2f}")
 
