@@ -1,12 +1,14 @@
 #pragma once
 // A Llama-style decoder in plain libtorch: RMSNorm, rotary position embeddings, causal
 // self-attention with grouped-query heads (several query heads share each key and value head,
-// as in Llama 2 70B and Llama 3), a SwiGLU feed-forward and an untied output head. The Booster trains it
-// unchanged under every plugin (examples/llama/train.cpp); nothing in the model knows about
-// ranks. Its ztrain types are drop-ins, identical alone: the layer stack is a ztrain::LayerList
-// (for torch::nn::ModuleList), which lets FullyShard shard the layers one by one, and the
-// linears and the embedding are ztrain::nn's (for torch::nn's), which lets HybridParallel split
-// them over tensor-parallel ranks as `policy()` at the end says — the one model-specific part.
+// as in Llama 2 70B and Llama 3), a SwiGLU feed-forward and an untied output head. The Booster
+// trains it unchanged under every plugin (examples/llama/train.cpp); nothing in the model knows
+// about ranks. Its ztrain types are drop-ins, identical alone: the layer stack is a
+// ztrain::LayerList (for torch::nn::ModuleList), which lets FullyShard shard the layers one by
+// one; the linears and the embedding are ztrain::nn's (for torch::nn's), which lets
+// HybridParallel split them over tensor-parallel ranks as `policy()` at the end says — the one
+// model-specific part; and the attention is ztrain::models::attention (for
+// at::scaled_dot_product_attention), fused on the CPU.
 
 #include <ztrain/booster/policy.h>
 #include <ztrain/models/fused.h>

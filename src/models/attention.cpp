@@ -18,18 +18,20 @@
 // The queries go in blocks of kRows rows, each block of each (batch, head) a task. A block's
 // scores S = Q kᵀ against the keys it may see (all of them, or under the causal mask those up to
 // its last row) are one gemm into a buffer of kRows rows that stays in cache; a pass over each
-// row turns it into probabilities P = softmax(S / √d) with the positions the mask hides set to 0,
-// and multiplies them by the dropout factors of their elements; a second gemm writes P v into
-// the output, laid out [b, t, h, d] so that the heads' outputs are already the rows the output
-// projection reads. Nothing of [t, t] size is kept: forward saves each row's log-sum-exp
+// row turns it into probabilities P = softmax(S · scale) (scale 1 / √d unless given) with the
+// positions the mask hides set to 0, and multiplies them by the dropout factors of their
+// elements; a second gemm writes P v into the output, laid out [b, t, h, d] so that the heads'
+// outputs are already the rows the output projection reads. Nothing of [t, t] size is kept: forward saves each row's log-sum-exp
 // (lse = max + log Σ exp), and backward recomputes P from the scores and lse.
 //
-// Backward, per (batch, head), block by block: S = Q kᵀ again, P = exp(S / √d − lse),
+// Backward, per (batch, head), block by block: S = Q kᵀ again, P = exp(S · scale − lse),
 // dP' = dO vᵀ, and with F the dropout factors and D = rowsum(dO ∘ O) (which equals
-// rowsum(P ∘ F ∘ dP'), the softmax's correction): dv += (P ∘ F)ᵀ dO, dS = P ∘ (dP' ∘ F − D) / √d,
-// dq = dS k, dk += dSᵀ Q. Five gemms a block, two of them accumulating into dk and dv, which the
-// (batch, head)'s task owns. The blocks run from the last to the first, so that the last, which
-// sees the most keys, writes dk and dv and the others add.
+// rowsum(P ∘ F ∘ dP'), the softmax's correction): dv += (P ∘ F)ᵀ dO,
+// dS = P ∘ (dP' ∘ F − D) · scale, dq = dS k, dk += dSᵀ Q. Five gemms a block, two of them
+// accumulating into dk and dv. A task owns a (batch, key head) and runs the query heads that share
+// it (one, without grouped-query heads; key head h / group serves query head h) one after the
+// other, each from its last block to its first: the first head's last block, which sees the most
+// keys, writes dk and dv, and everything after adds.
 //
 // Dropout is the fused dropout's mask (dropout.cpp) over the [b, h, t_q, t_k] probabilities, drawn
 // row by row: element ((b · h + head) · t_q + i) · t_k + j, under one seed from the default CPU
@@ -243,7 +245,7 @@ void backward_head(const Problem& pr, int64_t bh, bool first, const Gradients& g
     at::cpu::mm_out(dq, dp, pr.k.rows(kv, 0, width));
     auto dk = g.dk.rows(kv, 0, width), dv = g.dv.rows(kv, 0, width);
     const auto s_t = matrix_t(s_buffer, rows, width), dp_t = matrix_t(dp_buffer, rows, width);
-    if (first && blk == blocks - 1) {  // the block that sees the most keys: the others' keys are a prefix of its
+    if (first && blk == blocks - 1) {  // the block that sees the most keys; the others' are a prefix of its
       at::cpu::mm_out(dv, s_t, go);
       at::cpu::mm_out(dk, dp_t, q);
       if (width < pr.tk) {  // keys no query sees (causal, t_q < t_k)
