@@ -21,8 +21,9 @@
 // row turns it into probabilities P = softmax(S · scale) (scale 1 / √d unless given) with the
 // positions the mask hides set to 0, and multiplies them by the dropout factors of their
 // elements; a second gemm writes P v into the output, laid out [b, t, h, d] so that the heads'
-// outputs are already the rows the output projection reads. Nothing of [t, t] size is kept: forward saves each row's log-sum-exp
-// (lse = max + log Σ exp), and backward recomputes P from the scores and lse.
+// outputs are already the rows the output projection reads. Nothing of [t, t] size is kept:
+// forward saves each row's log-sum-exp (lse = max + log Σ exp), and backward recomputes P from
+// the scores and lse.
 //
 // Backward, per (batch, head), block by block: S = Q kᵀ again, P = exp(S · scale − lse),
 // dP' = dO vᵀ, and with F the dropout factors and D = rowsum(dO ∘ O) (which equals
