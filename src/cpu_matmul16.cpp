@@ -9,12 +9,17 @@
 // accumulate in fp32); only the order of the sums differs. The widening is O(n²) against the
 // matmul's O(n³).
 //
+// Having the instructions is not enough: an Emerald Rapids core without AMX runs oneDNN's bf16
+// gemm on its AVX-512 BF16 unit at 79 GFLOP/s, against 150 for fp32 and 126–140 widened. So where
+// libtorch has a kernel of its own for the type, the first 16-bit matmul of the process times both
+// ways once (a few milliseconds) and widens only when that is clearly faster.
+//
 // They replace libtorch's CPU kernels of mm, addmm, bmm, baddbmm and the CPU flash attention's
 // forward and backward in the dispatcher, for the whole process once ztrain is loaded; autograd's
 // formulas call the same operators, so backward is covered too. Other dtypes, and a 16-bit type on
-// a CPU that has the units for it, go straight to libtorch's kernel (`at::cpu::…`).
+// a CPU where libtorch's own kernel is the faster, go straight to it (`at::cpu::…`).
 // ZTRAIN_CPU_MATMUL16=native keeps libtorch's kernels, =fp32 widens on any CPU, =auto (the
-// default) widens where the CPU lacks the units.
+// default) widens where the CPU lacks the units or they are the slower way.
 
 #include <ztrain/cpu_matmul16.h>
 #include <ztrain/error.h>
@@ -24,12 +29,15 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_cpu_dispatch.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
@@ -40,10 +48,10 @@ namespace ztrain::detail {
 
 namespace {
 
-// Whether libtorch has a fast CPU matmul for this 16-bit type here: its own conditions for its
-// oneDNN gemms on x86 (mkldnn_bf16_device_check, mkldnn_fp16_device_check). Other architectures
-// are left to libtorch.
-bool has_fast_matmul(at::ScalarType dtype) {
+// Whether libtorch has a CPU matmul of its own for this 16-bit type here, not a scalar loop: its
+// conditions for its oneDNN gemms on x86 (mkldnn_bf16_device_check, mkldnn_fp16_device_check).
+// On other architectures it is taken to have one, and so is timed.
+bool has_own_kernel(at::ScalarType dtype) {
   static const auto caps = at::cpu::get_cpu_capabilities();
   const auto flag = [&](const char* name) {
     const auto it = caps.find(name);
@@ -53,6 +61,30 @@ bool has_fast_matmul(at::ScalarType dtype) {
   if (arch == caps.end() || !arch->second.isString() || arch->second.toStringRef() != "x86_64") return true;
   if (dtype == at::kBFloat16) return flag("avx512_bw") && flag("avx512_vl") && flag("avx512_dq");
   return flag("avx512_fp16") || flag("amx_fp16");
+}
+
+at::Tensor fp32(const at::Tensor& t) { return t.to(at::kFloat); }
+
+// Whether a square matmul in this 16-bit type runs at least 1.25 times as fast widened as in
+// libtorch's own kernel, each way timed at its best of five. The operands are constants: the
+// random generator is left as it was.
+bool widening_is_faster(at::ScalarType dtype) {
+  constexpr int64_t n = 384;
+  const auto a = at::full({n, n}, 0.5, at::TensorOptions().dtype(dtype));
+  const auto b = at::full({n, n}, 0.25, at::TensorOptions().dtype(dtype));
+  const auto best_of_five = [](auto&& matmul) {
+    matmul();  // oneDNN generates its kernel on the first call
+    auto best = std::chrono::steady_clock::duration::max();
+    for (int i = 0; i < 5; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      matmul();
+      best = std::min(best, std::chrono::steady_clock::now() - start);
+    }
+    return std::chrono::duration<double>(best).count();
+  };
+  const double native = best_of_five([&] { at::cpu::mm(a, b); });
+  const double widened = best_of_five([&] { at::cpu::mm(fp32(a), fp32(b)).to(dtype); });
+  return 1.25 * widened < native;
 }
 
 // Per 16-bit type (0: bf16, 1: fp16): -1 not yet read from ZTRAIN_CPU_MATMUL16, else 0 or 1.
@@ -70,7 +102,7 @@ bool cpu_matmul_through_fp32(at::ScalarType dtype) {
     const std::string mode = env && *env ? env : "auto";
     ZTRAIN_CHECK(mode == "auto" || mode == "fp32" || mode == "native",
                  "ZTRAIN_CPU_MATMUL16 must be auto, fp32 or native, got '", mode, "'");
-    widen = mode == "fp32" || (mode == "auto" && !has_fast_matmul(dtype));
+    widen = mode == "fp32" || (mode == "auto" && (!has_own_kernel(dtype) || widening_is_faster(dtype)));
     slot.store(widen, std::memory_order_relaxed);
   }
   return widen != 0;
@@ -96,8 +128,6 @@ bool widen(std::initializer_list<const Tensor*> operands) {
   widened_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
-
-Tensor fp32(const Tensor& t) { return t.to(at::kFloat); }
 
 std::optional<Tensor> fp32(const std::optional<Tensor>& t) {
   if (!t || !at::isReducedFloatingType(t->scalar_type())) return t;

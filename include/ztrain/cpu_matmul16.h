@@ -1,8 +1,9 @@
 #pragma once
-/// bf16 and fp16 matmuls on CPUs without the units for them (src/cpu_matmul16.cpp): libtorch's own
-/// kernels there are scalar loops, so ztrain replaces them, for the whole process, with libtorch's
-/// fp32 kernels on widened operands and one rounding of the result. ZTRAIN_CPU_MATMUL16 chooses:
-/// auto (the default: widen where the CPU lacks the units), fp32 (always) or native (never).
+/// bf16 and fp16 matmuls on CPUs without the units for them, or with slow ones (src/cpu_matmul16.cpp):
+/// libtorch's own kernels there are scalar loops or slower than fp32, so ztrain replaces them, for
+/// the whole process, with libtorch's fp32 kernels on widened operands and one rounding of the
+/// result. ZTRAIN_CPU_MATMUL16 chooses: auto (the default: widen where the CPU lacks the units, and
+/// where the first 16-bit matmul finds widening 1.25× as fast or more), fp32 (always) or native (never).
 
 #include <c10/core/ScalarType.h>
 
