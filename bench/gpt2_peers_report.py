@@ -69,7 +69,11 @@ def main():
            "(`fully_shard`, each block a unit) over gloo (`peer_torch.py`), and ztrain on one rank with the same "
            f"per-rank batch: alone (the other cores idle) and {n} such runs at once (every core doing the same "
            "work, without communication). In bf16 ztrain keeps fp32 masters; DDP runs under autocast, FSDP2 with "
-           "`MixedPrecisionPolicy(param_dtype=bfloat16)`. Each ztrain run measures the matmul peak of its dtype in "
+           "`MixedPrecisionPolicy(param_dtype=bfloat16)`. "
+           + ("ztrain's bf16 matmuls ran through fp32 kernels on widened operands, which its first bf16 matmul "
+              "timed faster on this CPU than the CPU's bf16 units (`src/cpu_matmul16.cpp`); the PyTorch peers' "
+              "ran on the units, through oneDNN. " if any(r.get("cpu_matmul16") == "fp32" for r in ours) else "")
+           + "Each ztrain run measures the matmul peak of its dtype in "
            "the same process, all ranks at once; \"of peak\" is model FLOP/s per rank over the highest of those "
            f"({', '.join(f'{d} {v:.0f} GFLOP/s' for d, v in sorted(peak.items(), reverse=True))}).", ""]
     body = []

@@ -388,7 +388,11 @@ def efficiency_section(rows, results):
         "the same process with the same threads, all ranks measuring at once: the best of square fp32 / bf16 "
         "matmuls of 512, 1024 and 2048 (`peak`; a size is skipped when the one before took over a second), and the "
         "model's own largest matmul shape (tokens × d by d × 4d)."
-        + (" bf16 matmuls run on the CPU's AMX/AVX-512 BF16 units through oneDNN, hence their much higher peak."
+        + (" The bf16 matmuls of `gpt_bench` (ztrain's and plain libtorch's, in a process that loads ztrain) ran "
+           "through fp32 kernels on widened operands, which the first bf16 matmul timed faster on this CPU than its "
+           "bf16 units (`src/cpu_matmul16.cpp`); the PyTorch peers' ran on the units, through oneDNN."
+           if any(r.get("cpu_matmul16") == "fp32" for r in rows)
+           else " bf16 matmuls run on the CPU's AMX/AVX-512 BF16 units through oneDNN, hence their much higher peak."
            if any(r["dtype"] == "bf16" for r in rows) else ""))
     sel = [r for r in rows if r["tag"] == "peer" and r.get("matmul")]
     body, goals = [], []
