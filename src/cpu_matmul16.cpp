@@ -29,6 +29,7 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_cpu_dispatch.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
@@ -134,9 +135,55 @@ std::optional<Tensor> fp32(const std::optional<Tensor>& t) {
   return fp32(*t);
 }
 
+// Widened elements of one operand per chunk (4 MiB of fp32); see widened_matmul.
+constexpr int64_t kChunkElements = int64_t{1} << 20;
+
+int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
+
+// beta · self + alpha · a b (a b alone without self) for 16-bit [m, k] a and [k, n] b, through
+// fp32 and rounded once. An operand of more than kChunkElements goes in chunks along the largest
+// of m, n and k, so that the widened copies of a chunk are still in cache when the fp32 kernel
+// reads them, and a vocabulary projection's weight is never widened whole (154 MB for GPT-2's):
+// along n or m each chunk is a slice of the output; along k the chunks' products add up in fp32.
+Tensor widened_matmul(const std::optional<Tensor>& self, const Tensor& a, const Tensor& b, const at::Scalar& beta,
+                      const at::Scalar& alpha) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1), largest = std::max({m, n, k});
+  const auto gemm = [&](const Tensor& a32, const Tensor& b32, const std::optional<Tensor>& s) {
+    return s ? at::cpu::addmm(fp32(*s), a32, b32, beta, alpha) : at::cpu::mm(a32, b32);
+  };
+  const int64_t chunks = std::min(largest, ceil_div(std::max({m * k, k * n, m * n}), kChunkElements));
+  if (chunks <= 1) return gemm(fp32(a), fp32(b), self).to(a.scalar_type());
+  const int64_t step = ceil_div(largest, chunks);
+  if (largest == k && k != n && k != m) {
+    Tensor sum;
+    for (int64_t i = 0; i < k; i += step) {
+      const auto a32 = fp32(a.narrow(1, i, std::min(step, k - i))), b32 = fp32(b.narrow(0, i, std::min(step, k - i)));
+      if (i == 0) {
+        sum = gemm(a32, b32, self);
+      } else {
+        at::cpu::addmm_(sum, a32, b32, 1, self ? alpha : 1);
+      }
+    }
+    return sum.to(a.scalar_type());
+  }
+  auto out = at::empty({m, n}, a.options());
+  const bool columns = largest == n;
+  const auto whole = columns ? fp32(a) : fp32(b);
+  for (int64_t i = 0; i < largest; i += step) {
+    const int64_t len = std::min(step, largest - i);
+    // self's slice where it does not broadcast along the split dimension
+    auto s = self;
+    if (self && columns && self->dim() > 0 && self->size(-1) == n) s = self->narrow(-1, i, len);
+    if (self && !columns && self->dim() == 2 && self->size(0) == m) s = self->narrow(0, i, len);
+    out.narrow(columns ? 1 : 0, i, len)
+        .copy_(columns ? gemm(whole, fp32(b.narrow(1, i, len)), s) : gemm(fp32(a.narrow(0, i, len)), whole, s));
+  }
+  return out;
+}
+
 Tensor mm(const Tensor& a, const Tensor& b) {
   if (!widen({&a, &b})) return at::cpu::mm(a, b);
-  return at::cpu::mm(fp32(a), fp32(b)).to(a.scalar_type());
+  return widened_matmul(std::nullopt, a, b, 1, 1);
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
@@ -146,7 +193,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 
 Tensor addmm(const Tensor& self, const Tensor& a, const Tensor& b, const at::Scalar& beta, const at::Scalar& alpha) {
   if (!widen({&self, &a, &b})) return at::cpu::addmm(self, a, b, beta, alpha);
-  return at::cpu::addmm(fp32(self), fp32(a), fp32(b), beta, alpha).to(a.scalar_type());
+  return widened_matmul(self, a, b, beta, alpha);
 }
 
 Tensor baddbmm(const Tensor& self, const Tensor& a, const Tensor& b, const at::Scalar& beta,

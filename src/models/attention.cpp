@@ -1,3 +1,4 @@
+#include <ztrain/cpu_matmul16.h>
 #include <ztrain/error.h>
 #include <ztrain/models/fused.h>
 
@@ -381,6 +382,15 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   ZTRAIN_CHECK(q.size(1) == k.size(1) || (enable_gqa && k.size(1) > 0 && q.size(1) % k.size(1) == 0),
                "attention: q has ", q.size(1), " heads and k and v ", k.size(1),
                enable_gqa ? ", which does not divide them" : " (sharing key heads needs enable_gqa)");
+  // Where this process's 16-bit matmuls run through fp32 (cpu_matmul16.h), the fused kernel runs on
+  // widened operands too; libtorch's attention would widen the same way, but unfused.
+  const auto dtype = q.scalar_type();
+  if (q.device().is_cpu() && (dtype == torch::kBFloat16 || dtype == torch::kHalf) && k.scalar_type() == dtype &&
+      v.scalar_type() == dtype && ztrain::detail::cpu_matmul_through_fp32(dtype)) {
+    return attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), dropout_p, causal, scale,
+                     enable_gqa)
+        .to(dtype);
+  }
   const double scale_or_default = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
   const bool fused = q.device().is_cpu() && q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
                      v.scalar_type() == torch::kFloat && q.layout() == torch::kStrided && q.numel() > 0 &&

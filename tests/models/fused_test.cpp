@@ -7,6 +7,7 @@
 
 #include "test_util.h"
 
+#include <ztrain/cpu_matmul16.h>
 #include <ztrain/models/fused.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -512,6 +513,34 @@ TEST(Attention, SharedKeyHeadsWithDropoutInAnyThreadsAndTwiceDifferentiated) {
     results.push_back(torch::autograd::grad({g[1].pow(2).sum() + g[2].pow(2).sum()}, {q, k, v}));
   }
   for (size_t i = 0; i < 3; ++i) EXPECT_LT(max_error(results[0][i], results[1][i]), 1e-3) << kOutputs[i + 1];
+}
+
+TEST(Attention, SixteenBitWidenedWhereItsMatmulsAre) {
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    torch::manual_seed(23);
+    const auto leaf = torch::randn({2, 100, 3, 3, 16}).to(dtype).requires_grad_();
+    const auto wide = leaf.detach().to(torch::kFloat).requires_grad_();
+    const auto qkv = leaf.permute({2, 0, 3, 1, 4}).unbind(0), qkv_wide = wide.permute({2, 0, 3, 1, 4}).unbind(0);
+    const auto dy = torch::randn({2, 3, 100, 16}).to(dtype);
+    // Where this process's 16-bit matmuls run through fp32: the fused kernel on the widened
+    // operands, dropout included, and the output and the gradient rounded once.
+    ztrain::detail::set_cpu_matmul_through_fp32(true);
+    torch::manual_seed(24);
+    const auto got = with_grads(models::attention(qkv[0], qkv[1], qkv[2], 0.2, true), {leaf}, dy);
+    torch::manual_seed(24);
+    const auto want =
+        with_grads(models::attention(qkv_wide[0], qkv_wide[1], qkv_wide[2], 0.2, true), {wide}, dy.to(torch::kFloat));
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(got[i].scalar_type(), dtype);
+      EXPECT_TRUE(torch::equal(got[i], want[i].to(dtype))) << i;
+    }
+    // Where they run in libtorch's own kernels: libtorch's attention in that dtype.
+    ztrain::detail::set_cpu_matmul_through_fp32(false);
+    EXPECT_TRUE(torch::equal(models::attention(qkv[0], qkv[1], qkv[2], 0.0, true),
+                             at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, 0.0, true)));
+    ztrain::detail::set_cpu_matmul_through_fp32(std::nullopt);
+  }
 }
 
 TEST(Attention, LibtorchsOutsideFloatOnTheCpuAndErrorsNamed) {

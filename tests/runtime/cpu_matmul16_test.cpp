@@ -54,6 +54,14 @@ std::vector<Case> cases() {
       {"linear (3-d input)", {{2, 48, 320}, {72, 320}, {72}},
        [](const auto& t) { return torch::nn::functional::linear(t[0], t[1], t[2]); }},
       {"matmul (4-d)", {{2, 3, 40, 64}, {2, 3, 64, 24}}, [](const auto& t) { return torch::matmul(t[0], t[1]); }},
+      // Over 2^20 elements in an operand: in chunks along the largest dimension, n, m or k.
+      {"mm in chunks of columns", {{40, 300}, {300, 4000}}, [](const auto& t) { return torch::mm(t[0], t[1]); }},
+      {"addmm in chunks of columns", {{4000}, {40, 300}, {300, 4000}},
+       [](const auto& t) { return torch::addmm(t[0], t[1], t[2], /*beta=*/0.5, /*alpha=*/2); }},
+      {"addmm in chunks of rows", {{4000, 24}, {4000, 300}, {300, 24}},
+       [](const auto& t) { return torch::addmm(t[0], t[1], t[2], /*beta=*/2, /*alpha=*/0.5); }},
+      {"addmm in chunks of the inner dimension", {{100}, {200, 6000}, {6000, 100}},
+       [](const auto& t) { return torch::addmm(t[0], t[1], t[2], /*beta=*/0.5, /*alpha=*/2); }},
       {"scaled_dot_product_attention", {{2, 3, 80, 32}, {2, 3, 80, 32}, {2, 3, 80, 32}},
        [](const auto& t) { return at::scaled_dot_product_attention(t[0], t[1], t[2], {}, 0.0, /*is_causal=*/true); }},
   };

@@ -51,7 +51,9 @@ torch::Tensor dropout(const torch::Tensor& x, double p, bool train);
 /// [b, h, t_q, d] and k, v [b, h_kv, t_k, d] (v's head size may differ; h_kv = h, or with
 /// enable_gqa any divisor of h, query head i then attending with key head i / (h / h_kv)), fused
 /// where it can be: float tensors on the CPU with a positive finite scale (default 1 / √d),
-/// except up to 64 keys without dropout, where libtorch's kernel costs less per call.
+/// except up to 64 keys without dropout, where libtorch's kernel costs less per call; bf16 and
+/// fp16 ones where this process runs their matmuls through fp32 (ztrain/cpu_matmul16.h), widened
+/// for it and the output rounded once.
 /// It computes softmax(q kᵀ · scale) v a block of 64 queries at a time, with the causal mask (query
 /// i sees keys 0 … i) and dropout applied to each block's probabilities in cache, and keeps for
 /// backward only each query's log-sum-exp, no [t_q, t_k] matrix; key heads shared by several
