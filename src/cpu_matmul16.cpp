@@ -67,25 +67,28 @@ bool has_own_kernel(at::ScalarType dtype) {
 at::Tensor fp32(const at::Tensor& t) { return t.to(at::kFloat); }
 
 // Whether a square matmul in this 16-bit type runs at least 1.25 times as fast widened as in
-// libtorch's own kernel, each way timed at its best of five. The operands are constants: the
-// random generator is left as it was.
+// libtorch's own kernel, each way at its best of seven, taking turns so that a burst of other load
+// slows both. The operands are constants: the random generator is left as it was.
 bool widening_is_faster(at::ScalarType dtype) {
-  constexpr int64_t n = 384;
+  constexpr int64_t n = 512;
   const auto a = at::full({n, n}, 0.5, at::TensorOptions().dtype(dtype));
   const auto b = at::full({n, n}, 0.25, at::TensorOptions().dtype(dtype));
-  const auto best_of_five = [](auto&& matmul) {
-    matmul();  // oneDNN generates its kernel on the first call
-    auto best = std::chrono::steady_clock::duration::max();
-    for (int i = 0; i < 5; ++i) {
-      const auto start = std::chrono::steady_clock::now();
-      matmul();
-      best = std::min(best, std::chrono::steady_clock::now() - start);
-    }
-    return std::chrono::duration<double>(best).count();
-  };
-  const double native = best_of_five([&] { at::cpu::mm(a, b); });
-  const double widened = best_of_five([&] { at::cpu::mm(fp32(a), fp32(b)).to(dtype); });
-  return 1.25 * widened < native;
+  const auto native = [&] { at::cpu::mm(a, b); };
+  const auto widened = [&] { at::cpu::mm(fp32(a), fp32(b)).to(dtype); };
+  native();  // oneDNN generates its kernel on the first call
+  widened();
+  using Clock = std::chrono::steady_clock;
+  auto best_native = Clock::duration::max(), best_widened = best_native;
+  for (int i = 0; i < 7; ++i) {
+    auto start = Clock::now();
+    native();
+    best_native = std::min(best_native, Clock::now() - start);
+    start = Clock::now();
+    widened();
+    best_widened = std::min(best_widened, Clock::now() - start);
+  }
+  return 1.25 * std::chrono::duration<double>(best_widened).count() <
+         std::chrono::duration<double>(best_native).count();
 }
 
 // Per 16-bit type (0: bf16, 1: fp16): -1 not yet read from ZTRAIN_CPU_MATMUL16, else 0 or 1.
