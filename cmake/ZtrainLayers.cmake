@@ -12,7 +12,7 @@ set(ZTRAIN_LAYER_ORDER core comm runtime optim zero tp pipe ckpt booster models)
 # The area of a path relative to the source tree, or of an included "ztrain/..." header.
 function(ztrain_area_of path out)
   set(area "")
-  if(path MATCHES "^(include/)?ztrain/(error|version|torch_compat)\\.h$" OR path MATCHES "^src/(error\\.cpp|host_memory\\.(h|cpp)|bf16_avx2\\.h)$")
+  if(path MATCHES "^(include/)?ztrain/(error|version|torch_compat|cpu_matmul16)\\.h$" OR path MATCHES "^src/(error\\.cpp|cpu_matmul16\\.cpp|host_memory\\.(h|cpp)|bf16_avx2\\.h)$")
     set(area core)
   elseif(path MATCHES "^(include/)?ztrain/ztrain\\.h$")
     set(area umbrella)
