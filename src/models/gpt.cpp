@@ -201,11 +201,7 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& tokens) {
   auto& tr = *transformer;
   auto wte = tr.wte();
   auto positions = torch::arange(t, tokens.options().dtype(torch::kLong));
-  // Without tp the embedding's gradient is sparse (the rows of the batch's tokens): autograd adds
-  // it into the tied head's dense gradient in place, instead of filling a [vocabulary, d] tensor
-  // with zeros and adding the two whole (50 of 3,270 ms of a GPT-2 step at 256 tokens).
-  auto tok = tp_ ? tp::vocab_parallel_embedding(tokens, wte, tp_)
-                 : torch::embedding(wte, tokens, /*padding_idx=*/-1, /*scale_grad_by_freq=*/false, /*sparse=*/true);
+  auto tok = tp_ ? tp::vocab_parallel_embedding(tokens, wte, tp_) : torch::embedding(wte, tokens);
   auto x = dropped(tr.drop, tok + torch::embedding(tr.wpe(), positions));
   return tied_head_logits(tr.ln_f(tr.h(x)), wte, config_.vocab_size, tp_);
 }
