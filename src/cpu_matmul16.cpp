@@ -12,7 +12,7 @@
 // Having the instructions is not enough: an Emerald Rapids core without AMX runs oneDNN's bf16
 // gemm on its AVX-512 BF16 unit at 79 GFLOP/s, against 150 for fp32 and 126–140 widened. So where
 // libtorch has a kernel of its own for the type, the first 16-bit matmul of the process times both
-// ways once (a few milliseconds) and widens only when that is clearly faster.
+// ways once (about 30 ms) and widens only when that is clearly faster.
 //
 // They replace libtorch's CPU kernels of mm, addmm, bmm, baddbmm and the CPU flash attention's
 // forward and backward in the dispatcher, for the whole process once ztrain is loaded; autograd's
@@ -29,9 +29,9 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_cpu_dispatch.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/bmm_cpu_dispatch.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -160,11 +160,12 @@ Tensor widened_matmul(const std::optional<Tensor>& self, const Tensor& a, const 
   if (largest == k && k != n && k != m) {
     Tensor sum;
     for (int64_t i = 0; i < k; i += step) {
-      const auto a32 = fp32(a.narrow(1, i, std::min(step, k - i))), b32 = fp32(b.narrow(0, i, std::min(step, k - i)));
+      const int64_t len = std::min(step, k - i);
+      const auto a32 = fp32(a.narrow(1, i, len)), b32 = fp32(b.narrow(0, i, len));
       if (i == 0) {
         sum = gemm(a32, b32, self);
       } else {
-        at::cpu::addmm_(sum, a32, b32, 1, self ? alpha : 1);
+        at::cpu::addmm_(sum, a32, b32, 1, alpha);  // alpha is 1 for mm
       }
     }
     return sum.to(a.scalar_type());
