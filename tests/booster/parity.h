@@ -4,7 +4,7 @@
 // head) and the GPT-2 architecture in plain modules (models::PlainGpt, tied head) — trained for
 // 20 clipped steps by one process on the global batch, or by every rank on its data-parallel
 // share under a plugin; and the comparison of the two runs (losses and final parameters within
-// 1e-5 relative in fp32).
+// 1e-4 relative in fp32).
 
 #include "../../examples/llama/llama.h"
 #include "test_util.h"
@@ -165,9 +165,11 @@ inline Run train(const Family& family, std::shared_ptr<Plugin> plugin) {
 }
 
 inline void expect_same(const Run& got, const Run& want) {
-  // On a GPU the reference's matrix products run at other shapes than the ranks' (the whole
-  // batch in one process), for which cuBLAS picks other algorithms and summation orders.
-  const double tol = runtime().device().is_cuda() ? 1e-4 : 1e-5;
+  // The reference's matrix products run at other shapes than the ranks' (the whole batch in one
+  // process), for which cuBLAS, and MKL on AVX-512 CPUs, pick other kernels and summation orders:
+  // on an AVX-512 Xeon the Llama's attention weights under DataParallel at 2 ranks ended 20 steps
+  // up to 3.7e-5 apart (relative), against under 1e-5 on AVX2 CPUs.
+  const double tol = 1e-4;
   ASSERT_EQ(got.losses.size(), want.losses.size());
   for (size_t i = 0; i < got.losses.size(); ++i) {
     EXPECT_NEAR(got.losses[i], want.losses[i], tol * std::abs(want.losses[i])) << "step " << i;
