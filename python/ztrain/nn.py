@@ -287,7 +287,9 @@ def gelu_tanh(input):
 def cross_entropy(logits, target, ignore_index=-100):
     """torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index) with the mean
     reduction, for logits (N, V) and targets (N,): forward writes nothing of the logits' size,
-    backward writes the gradient in one pass. Agrees with torch's to a few float ulps."""
+    backward writes the gradient in one pass. Agrees with torch's to a few float ulps. 16-bit logits
+    count as their float widening: the loss is a float, the gradient has the logits' type (bf16 on
+    the CPU without a float copy)."""
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise _C.Error(f"cross_entropy: logits of (rows, classes) and targets of (rows,), "
                        f"got {tuple(logits.shape)} and {tuple(target.shape)}")

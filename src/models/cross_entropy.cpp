@@ -20,6 +20,10 @@
 // one pass; rows whose target is ignored are zero.
 // The AVX2 code sums 16 elements at a time in two accumulators and pads its tail with −inf, which
 // adds exp(−inf) = 0; the scalar code, for CPUs without AVX2, uses std::exp.
+// bf16 logits are read as the floats they widen to and every step runs in float; the loss is a
+// float and the gradient is rounded to bf16 once, element by element. So both are exactly those of
+// the float kernel on the widened logits, without a float copy of [N, V] (2 bytes an element
+// instead of 6 kept from forward to backward, and one pass less each way).
 
 namespace ztrain::models {
 
@@ -37,21 +41,28 @@ using detail::simd::store_part;
 
 // ---- scalar ------------------------------------------------------------------------------------
 
-float row_lse_scalar(const float* l, int64_t v) {
+using detail::simd::to_float;
+
+template <class T>
+float row_lse_scalar(const T* l, int64_t v) {
   float m = kMinusInf;
-  for (int64_t j = 0; j < v; ++j) m = std::max(m, l[j]);
+  for (int64_t j = 0; j < v; ++j) m = std::max(m, to_float(l[j]));
   double sum = 0;  // one accumulator: in float, its rounding would grow with the row
-  for (int64_t j = 0; j < v; ++j) sum += std::exp(l[j] - m);
+  for (int64_t j = 0; j < v; ++j) sum += std::exp(to_float(l[j]) - m);
   return m + static_cast<float>(std::log(sum));
 }
 
-void row_grad_scalar(const float* l, float lse, float scale, float* out, int64_t v) {
-  for (int64_t j = 0; j < v; ++j) out[j] = std::exp(l[j] - lse) * scale;
+float grad_scalar(float l, float lse, float scale) { return std::exp(l - lse) * scale; }
+
+template <class T>
+void row_grad_scalar(const T* l, float lse, float scale, T* out, int64_t v) {
+  for (int64_t j = 0; j < v; ++j) out[j] = static_cast<T>(grad_scalar(to_float(l[j]), lse, scale));
 }
 
 // ---- AVX2 --------------------------------------------------------------------------------------
 
-ZTRAIN_AVX2 float row_lse_avx2(const float* l, int64_t v) {
+template <class T>
+ZTRAIN_AVX2 float row_lse_avx2(const T* l, int64_t v) {
   const int64_t body = v / 8 * 8;
   __m256 m0 = _mm256_set1_ps(kMinusInf), m1 = m0;
   int64_t j = 0;
@@ -73,13 +84,19 @@ ZTRAIN_AVX2 float row_lse_avx2(const float* l, int64_t v) {
   return m + std::log(hsum(_mm256_add_ps(s0, s1)));
 }
 
-ZTRAIN_AVX2 void row_grad_avx2(const float* l, float lse, float scale, float* out, int64_t v) {
+ZTRAIN_AVX2 __m256 grad8(__m256 l, __m256 lse, __m256 scale) { return _mm256_mul_ps(exp8(_mm256_sub_ps(l, lse)), scale); }
+
+// One element's, the same float as its lane of the row's.
+ZTRAIN_AVX2 float grad_avx2(float l, float lse, float scale) {
+  return _mm256_cvtss_f32(grad8(_mm256_set1_ps(l), _mm256_set1_ps(lse), _mm256_set1_ps(scale)));
+}
+
+template <class T>
+ZTRAIN_AVX2 void row_grad_avx2(const T* l, float lse, float scale, T* out, int64_t v) {
   const __m256 lv = _mm256_set1_ps(lse), sv = _mm256_set1_ps(scale);
   const int64_t body = v / 8 * 8;
-  for (int64_t j = 0; j < body; j += 8) store8(out + j, _mm256_mul_ps(exp8(_mm256_sub_ps(load8(l + j), lv)), sv));
-  if (body == v) return;
-  const __m256 tail = load_part(l + body, v - body, kMinusInf);
-  store_part(out + body, v - body, _mm256_mul_ps(exp8(_mm256_sub_ps(tail, lv)), sv));
+  for (int64_t j = 0; j < body; j += 8) store8(out + j, grad8(load8(l + j), lv, sv));
+  if (body < v) store_part(out + body, v - body, grad8(load_part(l + body, v - body, kMinusInf), lv, sv));
 }
 
 // ---- the function ------------------------------------------------------------------------------
@@ -101,21 +118,23 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
                    " classes [0, ", v, ")");
       ++count;
     }
-    auto lse = torch::empty({n}, logits.options());
-    const float* l = logits.data_ptr<float>();
+    auto lse = torch::empty({n}, logits.options().dtype(torch::kFloat));
     float* out = lse.data_ptr<float>();
     const bool simd = detail::fused_simd();
-    at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) out[i] = simd ? row_lse_avx2(l + i * v, v) : row_lse_scalar(l + i * v, v);
-    });
     double total = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (t[i] != ignore_index) total += static_cast<double>(out[i]) - l[i * v + t[i]];
-    }
+    detail::simd::for_type(logits.scalar_type(), [&]<class T>(T) {
+      const T* l = logits.data_ptr<T>();
+      at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) out[i] = simd ? row_lse_avx2(l + i * v, v) : row_lse_scalar(l + i * v, v);
+      });
+      for (int64_t i = 0; i < n; ++i) {
+        if (t[i] != ignore_index) total += static_cast<double>(out[i]) - to_float(l[i * v + t[i]]);
+      }
+    });
     ctx->save_for_backward({input, target, lse});
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["count"] = count;
-    return torch::tensor(static_cast<float>(total / static_cast<double>(count)), logits.options());
+    return torch::tensor(static_cast<float>(total / static_cast<double>(count)), lse.options());
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -125,11 +144,11 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     const auto count = static_cast<double>(ctx->saved_data["count"].toInt());
     const auto& target = saved[1];
     if (torch::GradMode::is_enabled()) {  // building a graph (create_graph): in libtorch's ops
-      const auto& logits = saved[0];
+      const auto logits = saved[0].to(torch::kFloat);
       const auto valid = target.ne(ignore_index);
       const auto one_hot = torch::zeros_like(logits).scatter_(1, target.masked_fill(~valid, 0).unsqueeze(1), 1.0);
       const auto grad = (torch::softmax(logits, 1) - one_hot) * valid.unsqueeze(1) * grads[0] / count;
-      return {grad, {}, {}};
+      return {grad.to(saved[0].scalar_type()), {}, {}};
     }
     RECORD_FUNCTION("ztrain::cross_entropy_backward", std::vector<c10::IValue>({saved[0], target}));
     const auto logits = saved[0].contiguous();
@@ -138,24 +157,30 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     const int64_t n = logits.size(0), v = logits.size(1);
     const auto scale = static_cast<float>(grads[0].item<double>() / count);
     auto grad = torch::empty_like(logits);
-    const float *l = logits.data_ptr<float>(), *row_lse = lse.data_ptr<float>();
+    const float* row_lse = lse.data_ptr<float>();
     const int64_t* t = targets.data_ptr<int64_t>();
-    float* out = grad.data_ptr<float>();
     const bool simd = detail::fused_simd();
-    at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        float* row = out + i * v;
-        if (t[i] == ignore_index) {
-          std::fill(row, row + v, 0.0f);
-          continue;
+    detail::simd::for_type(logits.scalar_type(), [&]<class T>(T) {
+      const T* l = logits.data_ptr<T>();
+      T* out = grad.data_ptr<T>();
+      at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          T* row = out + i * v;
+          if (t[i] == ignore_index) {
+            std::fill(row, row + v, T(0));
+            continue;
+          }
+          if (simd) {
+            row_grad_avx2(l + i * v, row_lse[i], scale, row, v);
+          } else {
+            row_grad_scalar(l + i * v, row_lse[i], scale, row, v);
+          }
+          // the target's element minus the one-hot, in float before any rounding to T
+          const float at_target = to_float(l[i * v + t[i]]);
+          row[t[i]] = static_cast<T>((simd ? grad_avx2(at_target, row_lse[i], scale)
+                                           : grad_scalar(at_target, row_lse[i], scale)) - scale);
         }
-        if (simd) {
-          row_grad_avx2(l + i * v, row_lse[i], scale, row, v);
-        } else {
-          row_grad_scalar(l + i * v, row_lse[i], scale, row, v);
-        }
-        row[t[i]] -= scale;
-      }
+      });
     });
     return {grad, {}, {}};
   }
@@ -164,12 +189,14 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
 }  // namespace
 
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets, int64_t ignore_index) {
-  const bool fused = logits.device().is_cpu() && logits.layout() == torch::kStrided &&
-                     logits.scalar_type() == torch::kFloat && logits.dim() == 2 && targets.dim() == 1 &&
+  const bool fused = detail::simd::float_or_bf16_on_cpu(logits) && logits.dim() == 2 && targets.dim() == 1 &&
                      targets.scalar_type() == torch::kLong && targets.device().is_cpu() && logits.size(1) > 0;
   if (!fused) {
-    return torch::nn::functional::cross_entropy(
-        logits, targets, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index));
+    const auto options = torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ignore_index);
+    if (logits.scalar_type() == torch::kBFloat16 || logits.scalar_type() == torch::kHalf) {
+      return torch::nn::functional::cross_entropy(logits.to(torch::kFloat), targets, options);
+    }
+    return torch::nn::functional::cross_entropy(logits, targets, options);
   }
   ZTRAIN_CHECK(targets.size(0) == logits.size(0), "cross_entropy: ", targets.size(0), " targets for ", logits.size(0),
                " rows of logits");

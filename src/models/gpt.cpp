@@ -223,7 +223,7 @@ torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& 
   auto flat = logits.reshape({-1, logits.size(-1)});
   auto targets = tokens.slice(1, 1).reshape(-1);
   if (tp) return tp::parallel_cross_entropy(flat, targets, {}, tp);
-  return cross_entropy(flat.to(torch::kFloat32), targets);
+  return cross_entropy(flat, targets);  // 16-bit logits in float
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {

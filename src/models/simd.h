@@ -67,9 +67,17 @@ ZTRAIN_AVX2 inline __m256 load_part(const float* p, int64_t n, float pad) {
   return load8(v);
 }
 
-/// Stores elements [0, n) of x (n < 8).
-ZTRAIN_AVX2 inline void store_part(float* p, int64_t n, __m256 x) {
+ZTRAIN_AVX2 inline __m256 load_part(const c10::BFloat16* p, int64_t n, float pad) {
   float v[8];
+  std::fill(v, v + 8, pad);
+  std::transform(p, p + n, v, [](c10::BFloat16 x) { return static_cast<float>(x); });
+  return load8(v);
+}
+
+/// Stores elements [0, n) of x (n < 8).
+template <class T>
+ZTRAIN_AVX2 inline void store_part(T* p, int64_t n, __m256 x) {
+  T v[8];
   store8(v, x);
   std::copy(v, v + n, p);
 }

@@ -198,6 +198,37 @@ TEST(CrossEntropy, BadTargetsAreRefusedByName) {
   EXPECT_THROW(cross_entropy(logits, targets.slice(0, 0, 3)), ztrain::Error);
 }
 
+// bf16 logits: exactly the float kernel on their widening, the loss a float, the gradient
+// rounded once; fp16 (no kernel of its own) libtorch's on the widening.
+TEST(CrossEntropy, SixteenBitIsTheFloatLossOfTheWidenedLogits) {
+  in_every_kernel([] {
+    for (int64_t v : {7, 9, 33, 50257}) {
+      auto [logits, targets] = logits_and_targets(v > 1000 ? 16 : 37, v);
+      const auto bf16 = logits.to(torch::kBFloat16);
+      auto a = bf16.clone().requires_grad_(), b = bf16.to(torch::kFloat).requires_grad_();
+      auto loss = cross_entropy(a, targets), widened = cross_entropy(b, targets);
+      EXPECT_EQ(loss.scalar_type(), torch::kFloat);
+      EXPECT_TRUE(torch::equal(loss, widened)) << v;
+      (loss * 3).backward();
+      (widened * 3).backward();
+      EXPECT_EQ(a.grad().scalar_type(), torch::kBFloat16);
+      EXPECT_TRUE(torch::equal(a.grad(), b.grad().to(torch::kBFloat16))) << v;
+    }
+  });
+  auto [logits, targets] = logits_and_targets(6, 10);
+  auto h = logits.to(torch::kHalf).requires_grad_(), f = logits.to(torch::kHalf).to(torch::kFloat).requires_grad_();
+  auto loss = cross_entropy(h, targets), widened = F::cross_entropy(f, targets);
+  EXPECT_TRUE(torch::equal(loss, widened));
+  loss.backward();
+  widened.backward();
+  EXPECT_TRUE(torch::equal(h.grad(), f.grad().to(torch::kHalf)));
+  // building a graph: the gradient keeps the logits' type
+  auto c = logits.to(torch::kBFloat16).requires_grad_();
+  auto gc = torch::autograd::grad({cross_entropy(c, targets)}, {c}, {}, true, true)[0];
+  EXPECT_EQ(gc.scalar_type(), torch::kBFloat16);
+  EXPECT_LT(max_error(gc, torch::autograd::grad({F::cross_entropy(c.to(torch::kFloat), targets)}, {c})[0]), 1e-2);
+}
+
 TEST(CrossEntropy, OtherDtypesAreLibtorchs) {
   auto [logits, targets] = logits_and_targets(4, 10);
   const auto d = logits.to(torch::kDouble);

@@ -68,7 +68,9 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 
 /// torch::nn::functional::cross_entropy(logits, targets) for logits [N, V] and targets [N] with
 /// the mean reduction, fused where it can be. Targets outside [0, V) other than ignore_index are
-/// an error, as in libtorch.
+/// an error, as in libtorch. 16-bit logits count as their float widening: the loss is a float, and
+/// the gradient that of the widened logits rounded once to their type (for bf16 on the CPU without
+/// a float copy of the logits).
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets, int64_t ignore_index = -100);
 
 namespace detail {

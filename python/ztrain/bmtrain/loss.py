@@ -29,7 +29,7 @@ class FusedCrossEntropy(torch.nn.Module):
         if not self.parallel:
             if (self.weight is None and self.reduction == "mean" and not self.label_smoothing and input.dim() == 2
                     and target.shape == input.shape[:1]):
-                return cross_entropy(input.float(), target, self.ignore_index)  # the fused kernel
+                return cross_entropy(input, target, self.ignore_index)  # the fused kernel; 16-bit in float
             weight = None if self.weight is None else self.weight.float()
             return torch.nn.functional.cross_entropy(input.float(), target.long(), weight=weight,
                                                      ignore_index=self.ignore_index, reduction=self.reduction,
