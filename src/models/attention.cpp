@@ -365,6 +365,21 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
   }
 };
 
+// attention() after its checks.
+torch::Tensor checked_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                double dropout_p, bool causal, std::optional<double> scale, bool enable_gqa) {
+  const double scale_or_default = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  const bool fused = q.device().is_cpu() && q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+                     v.scalar_type() == torch::kFloat && q.layout() == torch::kStrided && q.numel() > 0 &&
+                     k.numel() > 0 && dropout_p < 1 && scale_or_default > 0 && std::isfinite(scale_or_default);
+  // Up to one block of keys without dropout, libtorch's CPU flash attention costs less per call
+  // (docs/benchmarks.md: 5.5 against 6.5 ms forward and backward at 2 × 12 × 64 × 64).
+  if (!fused || (dropout_p == 0 && k.size(2) <= kRows)) {
+    return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal, scale, enable_gqa);
+  }
+  return FusedAttention::apply(q, k, v, dropout_p, causal, scale_or_default);
+}
+
 }  // namespace
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p,
@@ -387,20 +402,11 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const auto dtype = q.scalar_type();
   if (q.device().is_cpu() && (dtype == torch::kBFloat16 || dtype == torch::kHalf) && k.scalar_type() == dtype &&
       v.scalar_type() == dtype && ztrain::detail::cpu_matmul_through_fp32(dtype)) {
-    return attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), dropout_p, causal, scale,
-                     enable_gqa)
+    return checked_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), dropout_p, causal, scale,
+                             enable_gqa)
         .to(dtype);
   }
-  const double scale_or_default = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  const bool fused = q.device().is_cpu() && q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-                     v.scalar_type() == torch::kFloat && q.layout() == torch::kStrided && q.numel() > 0 &&
-                     k.numel() > 0 && dropout_p < 1 && scale_or_default > 0 && std::isfinite(scale_or_default);
-  // Up to one block of keys without dropout, libtorch's CPU flash attention costs less per call
-  // (docs/benchmarks.md: 5.5 against 6.5 ms forward and backward at 2 × 12 × 64 × 64).
-  if (!fused || (dropout_p == 0 && k.size(2) <= kRows)) {
-    return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal, scale, enable_gqa);
-  }
-  return FusedAttention::apply(q, k, v, dropout_p, causal, scale_or_default);
+  return checked_attention(q, k, v, dropout_p, causal, scale, enable_gqa);
 }
 
 }  // namespace ztrain::models

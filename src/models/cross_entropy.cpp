@@ -84,7 +84,9 @@ ZTRAIN_AVX2 float row_lse_avx2(const T* l, int64_t v) {
   return m + std::log(hsum(_mm256_add_ps(s0, s1)));
 }
 
-ZTRAIN_AVX2 __m256 grad8(__m256 l, __m256 lse, __m256 scale) { return _mm256_mul_ps(exp8(_mm256_sub_ps(l, lse)), scale); }
+ZTRAIN_AVX2 __m256 grad8(__m256 l, __m256 lse, __m256 scale) {
+  return _mm256_mul_ps(exp8(_mm256_sub_ps(l, lse)), scale);
+}
 
 // One element's, the same float as its lane of the row's.
 ZTRAIN_AVX2 float grad_avx2(float l, float lse, float scale) {
