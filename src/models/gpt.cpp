@@ -187,6 +187,69 @@ namespace {
 Communicator& tp_of(const BlockOptions& options) { return context_or_default(options.context)->tp(); }
 }  // namespace
 
+namespace {
+// ---- the tied embedding's gradient -------------------------------------------------------------
+// The token table is used twice, by the lookup and by the head. Through libtorch's operators its
+// gradient would be the head's [V, d] product, a zero-filled [V, d] for the lookup's rows and
+// their sum, made out of place (the head's product arrives as a transposed view): three passes over
+// the whole table beside the product. Here the head's backward keeps its product, and the lookup's
+// backward, which always comes later (its gradient flows through the whole model from the head),
+// adds its rows into it and hands the sum over as the table's gradient. Where the head's product is
+// not there (a graph being built for a second derivative, or a backward that did not pass the
+// head), each is its own.
+
+struct TiedGradient : torch::CustomClassHolder {
+  torch::Tensor head;  // the head's product, awaiting the lookup's rows
+};
+
+c10::intrusive_ptr<TiedGradient> tied_gradient(torch::autograd::AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<TiedGradient>(ctx->saved_data["tied"].toCapsule());
+}
+
+struct TiedLookup : torch::autograd::Function<TiedLookup> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& wte,
+                               const torch::Tensor& tokens, c10::IValue tied) {
+    ctx->save_for_backward({tokens});
+    ctx->saved_data["tied"] = std::move(tied);
+    ctx->saved_data["rows"] = wte.size(0);
+    return torch::embedding(wte, tokens);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto tokens = ctx->get_saved_variables()[0];
+    auto head = std::exchange(tied_gradient(ctx)->head, torch::Tensor());
+    if (!head.defined()) {
+      return {torch::embedding_backward(grads[0], tokens, ctx->saved_data["rows"].toInt(), -1, false, false), {}, {}};
+    }
+    head.index_add_(0, tokens.reshape(-1), grads[0].reshape({-1, head.size(1)}).to(head.scalar_type()));
+    return {head, {}, {}};
+  }
+};
+
+struct TiedHead : torch::autograd::Function<TiedHead> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& wte,
+                               c10::IValue tied) {
+    ctx->save_for_backward({x, wte});
+    ctx->saved_data["tied"] = std::move(tied);
+    return torch::matmul(x, wte.t());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &wte = saved[1], &g = grads[0];
+    torch::Tensor dx, dwte;
+    if (ctx->needs_input_grad(0)) dx = torch::matmul(g, wte);
+    if (ctx->needs_input_grad(1)) {
+      dwte = torch::mm(g.reshape({-1, g.size(-1)}).t(), x.reshape({-1, x.size(-1)}));
+      if (!torch::GradMode::is_enabled()) tied_gradient(ctx)->head = std::exchange(dwte, torch::Tensor());
+    }
+    return {dx, dwte, {}};
+  }
+};
+}  // namespace
+
 GptImpl::GptImpl(GptConfig config, BlockOptions options)
     : transformer((config.validate(tp_of(options).size()), config), options, tp_of(options)),
       config_(std::move(config)),
@@ -201,9 +264,14 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& tokens) {
   auto& tr = *transformer;
   auto wte = tr.wte();
   auto positions = torch::arange(t, tokens.options().dtype(torch::kLong));
-  auto tok = tp_ ? tp::vocab_parallel_embedding(tokens, wte, tp_) : torch::embedding(wte, tokens);
-  auto x = dropped(tr.drop, tok + torch::embedding(tr.wpe(), positions));
-  return tied_head_logits(tr.ln_f(tr.h(x)), wte, config_.vocab_size, tp_);
+  if (tp_) {
+    auto tok = tp::vocab_parallel_embedding(tokens, wte, tp_);
+    auto x = dropped(tr.drop, tok + torch::embedding(tr.wpe(), positions));
+    return tied_head_logits(tr.ln_f(tr.h(x)), wte, config_.vocab_size, tp_);
+  }
+  const auto tied = c10::IValue::make_capsule(c10::make_intrusive<TiedGradient>());
+  auto x = dropped(tr.drop, TiedLookup::apply(wte, tokens, tied) + torch::embedding(tr.wpe(), positions));
+  return TiedHead::apply(tr.ln_f(tr.h(x)), wte, tied);
 }
 
 torch::Tensor tied_head_logits(const torch::Tensor& x, const torch::Tensor& wte, int64_t vocab_size, Communicator* tp) {

@@ -136,6 +136,34 @@ TEST(Gpt, Bf16WithFp32MastersTracksFp32) {
   for (int s = 0; s < 100; ++s) EXPECT_NEAR(losses[1][s], losses[0][s], 2e-2 * losses[0][s]) << "step " << s;
 }
 
+// The tied table's gradient, the head's product with the lookup's rows added into it in place,
+// is the one libtorch's operators give: PlainGpt's on the same values, with tokens repeated
+// within the batch and without, and twice in a row (accumulated).
+TEST(Gpt, TiedEmbeddingGradientIsLibtorchs) {
+  const auto file = c10::str(shared_dir(), "/tied.safetensors");
+  Gpt model(kConfig, {.zero_level = 0});
+  init_parameters(*model, {.seed = 1, .init = models::gpt_init(kConfig)});
+  save(*model, file);
+  models::PlainGpt plain(kConfig);
+  load(*plain, file);
+  const int64_t v = kConfig.vocab_size, d = kConfig.d_model;
+  for (int64_t range : {int64_t{4}, v}) {
+    auto tokens = torch::randint(range, {3, 13}, at::detail::createCPUGenerator(range), torch::kLong);
+    model->zero_grad();
+    plain->zero_grad();
+    for (int pass = 0; pass < 2; ++pass) {
+      model->loss(tokens).backward();
+      plain->loss(tokens).backward();
+    }
+    const auto ours = model->parameters()[0].grad().narrow(0, 0, v * d).view({v, d}).to(torch::kFloat64);
+    const auto want = plain->transformer->wte->weight.grad().to(torch::kFloat64);
+    EXPECT_LT((ours - want).norm().item<double>(), 1e-6 * want.norm().item<double>()) << "tokens < " << range;
+    EXPECT_GT(want.slice(0, 0, 4).abs().sum().item<double>(), 0.0);  // the looked-up rows have their share
+  }
+  synchronize();
+  if (runtime().rank() == 0) std::filesystem::remove_all(std::filesystem::path(file).parent_path());
+}
+
 // The fused attention (scaled_dot_product_attention) computes the eager product, causal mask
 // and softmax: the same loss and gradients up to rounding.
 TEST(Gpt, FusedAttentionComputesTheEagerAttention) {
