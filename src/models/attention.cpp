@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 // How it works
@@ -306,6 +307,54 @@ std::vector<torch::Tensor> backward_differentiable(const Problem& pr, const torc
           per_key_head(torch::matmul(dropped.transpose(-2, -1), grad_out))};
 }
 
+// The kernel's forward: y, [b, h, t_q, d_v] as a view of [b, t_q, h, d_v], and each query's
+// log-sum-exp, [b · h, t_q].
+std::pair<torch::Tensor, torch::Tensor> fused_forward(const Problem& pr, const torch::Tensor& q,
+                                                      const torch::Tensor& v) {
+  const auto y = torch::empty({pr.batch, pr.tq, pr.heads, v.size(3)}, q.options()).transpose(1, 2);
+  const auto lse = torch::empty({pr.batch * pr.heads, pr.tq}, q.options());
+  const Heads out = Heads::of(y);
+  const int64_t blocks = (pr.tq + kRows - 1) / kRows;
+  at::parallel_for(0, pr.batch * pr.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(kRows * pr.tk), f(pr.tk);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks;
+      forward_block(pr, bh, task % blocks * kRows, out, lse.data_ptr<float>() + bh * pr.tq, buffer.data(), f.data());
+    }
+  });
+  return {y, lse};
+}
+
+// The kernel's backward into dq, dk and dv ([b, h, t, d] views with unit stride along d).
+void fused_backward(const Problem& pr, const torch::Tensor& grad, const torch::Tensor& y, const torch::Tensor& lse,
+                    const torch::Tensor& dq, const torch::Tensor& dk, const torch::Tensor& dv) {
+  const auto grad_out = rows_contiguous(grad);
+  const Gradients g{Heads::of(grad_out), Heads::of(y), Heads::of(dq), Heads::of(dk), Heads::of(dv)};
+  // a task per key head, its query heads in turn: only it writes that head's dk and dv
+  at::parallel_for(0, pr.batch * pr.heads / pr.group, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kRows * pr.tk), dp(kRows * pr.tk), f(pr.tk);
+    for (int64_t task = begin; task < end; ++task) {
+      for (int64_t member = 0; member < pr.group; ++member) {
+        const int64_t bh = task * pr.group + member;
+        backward_head(pr, bh, member == 0, g, lse.data_ptr<float>() + bh * pr.tq, s.data(), dp.data(), f.data());
+      }
+    }
+  });
+}
+
+void save_settings(torch::autograd::AutogradContext* ctx, const Problem& pr, double p, bool causal, double scale) {
+  ctx->saved_data["seed"] = static_cast<int64_t>(pr.seed);
+  ctx->saved_data["p"] = p;
+  ctx->saved_data["causal"] = causal;
+  ctx->saved_data["scale"] = scale;
+}
+
+Problem saved_problem(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                      const torch::Tensor& v) {
+  return problem_of(q, k, v, ctx->saved_data["p"].toDouble(), static_cast<uint64_t>(ctx->saved_data["seed"].toInt()),
+                    ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
+}
+
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& query,
                                const torch::Tensor& key, const torch::Tensor& value, double p, bool causal,
@@ -313,23 +362,9 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
     RECORD_FUNCTION("ztrain::attention", std::vector<c10::IValue>({query, key, value}));
     const auto q = rows_contiguous(query), k = rows_contiguous(key), v = rows_contiguous(value);
     const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal, scale);
-    // [b, t_q, h, d_v], returned as its [b, h, t_q, d_v] view
-    const auto y = torch::empty({pr.batch, pr.tq, pr.heads, v.size(3)}, q.options()).transpose(1, 2);
-    const auto lse = torch::empty({pr.batch * pr.heads, pr.tq}, q.options());
-    const Heads out = Heads::of(y);
-    const int64_t blocks = (pr.tq + kRows - 1) / kRows;
-    at::parallel_for(0, pr.batch * pr.heads * blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buffer(kRows * pr.tk), f(pr.tk);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t bh = task / blocks;
-        forward_block(pr, bh, task % blocks * kRows, out, lse.data_ptr<float>() + bh * pr.tq, buffer.data(), f.data());
-      }
-    });
+    auto [y, lse] = fused_forward(pr, q, v);
     ctx->save_for_backward({q, k, v, y, lse});
-    ctx->saved_data["seed"] = static_cast<int64_t>(pr.seed);
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = scale;
+    save_settings(ctx, pr, p, causal, scale);
     return y;
   }
 
@@ -337,55 +372,93 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
                                                  torch::autograd::variable_list grads) {
     RECORD_FUNCTION("ztrain::attention_backward", std::vector<c10::IValue>({grads[0]}));
     const auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &y = saved[3], &lse = saved[4];
-    const Problem pr = problem_of(q, k, v, ctx->saved_data["p"].toDouble(),
-                                  static_cast<uint64_t>(ctx->saved_data["seed"].toInt()),
-                                  ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
+    const auto &q = saved[0], &k = saved[1], &v = saved[2];
+    const Problem pr = saved_problem(ctx, q, k, v);
     if (torch::GradMode::is_enabled()) {
       auto g = backward_differentiable(pr, q, k, v, grads[0]);
       return {g[0], g[1], g[2], {}, {}, {}};
     }
-    const auto grad_out = rows_contiguous(grads[0]);
     // each [b, t, h, d], returned as its [b, h, t, d] view
     const auto dq = torch::empty({pr.batch, pr.tq, pr.heads, q.size(3)}, q.options()).transpose(1, 2);
     const auto dk = torch::empty({pr.batch, pr.tk, k.size(1), k.size(3)}, k.options()).transpose(1, 2);
     const auto dv = torch::empty({pr.batch, pr.tk, v.size(1), v.size(3)}, v.options()).transpose(1, 2);
-    const Gradients g{Heads::of(grad_out), Heads::of(y), Heads::of(dq), Heads::of(dk), Heads::of(dv)};
-    // a task per key head, its query heads in turn: only it writes that head's dk and dv
-    at::parallel_for(0, pr.batch * pr.heads / pr.group, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> s(kRows * pr.tk), dp(kRows * pr.tk), f(pr.tk);
-      for (int64_t task = begin; task < end; ++task) {
-        for (int64_t member = 0; member < pr.group; ++member) {
-          const int64_t bh = task * pr.group + member;
-          backward_head(pr, bh, member == 0, g, lse.data_ptr<float>() + bh * pr.tq, s.data(), dp.data(), f.data());
-        }
-      }
-    });
+    fused_backward(pr, grads[0], saved[3], saved[4], dq, dk, dv);
     return {dq, dk, dv, {}, {}, {}};
   }
 };
+
+// Query, key or value (i = 0, 1, 2) of a packed [b, t, 3, h, d] tensor, as a [b, h, t, d] view.
+torch::Tensor part(const torch::Tensor& qkv, int64_t i) { return qkv.select(2, i).transpose(1, 2); }
+
+// The same on q, k and v packed in one [b, t, 3, h, d] tensor, whose gradient is one such tensor.
+struct PackedAttention : torch::autograd::Function<PackedAttention> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& packed, double p,
+                               bool causal, double scale) {
+    RECORD_FUNCTION("ztrain::attention", std::vector<c10::IValue>({packed}));
+    const auto qkv = rows_contiguous(packed);
+    const auto q = part(qkv, 0), v = part(qkv, 2);
+    const Problem pr = problem_of(q, part(qkv, 1), v, p, p > 0 ? detail::dropout_seed() : 0, causal, scale);
+    auto [y, lse] = fused_forward(pr, q, v);
+    ctx->save_for_backward({qkv, y, lse});
+    save_settings(ctx, pr, p, causal, scale);
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    RECORD_FUNCTION("ztrain::attention_backward", std::vector<c10::IValue>({grads[0]}));
+    const auto saved = ctx->get_saved_variables();
+    const auto& qkv = saved[0];
+    const auto q = part(qkv, 0), k = part(qkv, 1), v = part(qkv, 2);
+    const Problem pr = saved_problem(ctx, q, k, v);
+    if (torch::GradMode::is_enabled()) {
+      auto g = backward_differentiable(pr, q, k, v, grads[0]);
+      return {torch::stack({g[0].transpose(1, 2), g[1].transpose(1, 2), g[2].transpose(1, 2)}, 2), {}, {}, {}};
+    }
+    const auto dqkv = torch::empty_like(qkv, at::MemoryFormat::Contiguous);
+    fused_backward(pr, grads[0], saved[1], saved[2], part(dqkv, 0), part(dqkv, 1), part(dqkv, 2));
+    return {dqkv, {}, {}, {}};
+  }
+};
+
+// Whether this process widens 16-bit q, k and v of `dtype` for the fused kernel: where their
+// matmuls run through fp32 (cpu_matmul16.h); libtorch's attention would widen the same way, but
+// unfused.
+bool widened(const torch::Tensor& x) {
+  const auto dtype = x.scalar_type();
+  return x.device().is_cpu() && (dtype == torch::kBFloat16 || dtype == torch::kHalf) &&
+         ztrain::detail::cpu_matmul_through_fp32(dtype);
+}
+
+// Whether the fused kernel takes the call: float on the CPU, a positive finite scale, and more
+// than one block of keys or dropout (up to one block of keys without dropout, libtorch's CPU flash
+// attention costs less per call: docs/benchmarks.md, 5.5 against 6.5 ms forward and backward at
+// 2 × 12 × 64 × 64).
+bool fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p, double scale) {
+  return q.device().is_cpu() && q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+         v.scalar_type() == torch::kFloat && q.layout() == torch::kStrided && q.numel() > 0 && k.numel() > 0 &&
+         dropout_p < 1 && scale > 0 && std::isfinite(scale) && (dropout_p > 0 || k.size(2) > kRows);
+}
 
 // attention() after its checks.
 torch::Tensor checked_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 double dropout_p, bool causal, std::optional<double> scale, bool enable_gqa) {
   const double scale_or_default = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  const bool fused = q.device().is_cpu() && q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-                     v.scalar_type() == torch::kFloat && q.layout() == torch::kStrided && q.numel() > 0 &&
-                     k.numel() > 0 && dropout_p < 1 && scale_or_default > 0 && std::isfinite(scale_or_default);
-  // Up to one block of keys without dropout, libtorch's CPU flash attention costs less per call
-  // (docs/benchmarks.md: 5.5 against 6.5 ms forward and backward at 2 × 12 × 64 × 64).
-  if (!fused || (dropout_p == 0 && k.size(2) <= kRows)) {
+  if (!fused(q, k, v, dropout_p, scale_or_default)) {
     return at::scaled_dot_product_attention(q, k, v, {}, dropout_p, causal, scale, enable_gqa);
   }
   return FusedAttention::apply(q, k, v, dropout_p, causal, scale_or_default);
+}
+
+void check_dropout(double p) {
+  ZTRAIN_CHECK(p >= 0 && p <= 1, "attention: the dropout probability must be in [0, 1], got ", p);
 }
 
 }  // namespace
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p,
                         bool causal, std::optional<double> scale, bool enable_gqa) {
-  ZTRAIN_CHECK(dropout_p >= 0 && dropout_p <= 1, "attention: the dropout probability must be in [0, 1], got ",
-               dropout_p);
+  check_dropout(dropout_p);
   ZTRAIN_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                "attention: q, k and v must be [batch, heads, tokens, head size], got ", q.sizes(), ", ", k.sizes(),
                " and ", v.sizes());
@@ -397,16 +470,28 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   ZTRAIN_CHECK(q.size(1) == k.size(1) || (enable_gqa && k.size(1) > 0 && q.size(1) % k.size(1) == 0),
                "attention: q has ", q.size(1), " heads and k and v ", k.size(1),
                enable_gqa ? ", which does not divide them" : " (sharing key heads needs enable_gqa)");
-  // Where this process's 16-bit matmuls run through fp32 (cpu_matmul16.h), the fused kernel runs on
-  // widened operands too; libtorch's attention would widen the same way, but unfused.
-  const auto dtype = q.scalar_type();
-  if (q.device().is_cpu() && (dtype == torch::kBFloat16 || dtype == torch::kHalf) && k.scalar_type() == dtype &&
-      v.scalar_type() == dtype && ztrain::detail::cpu_matmul_through_fp32(dtype)) {
+  if (widened(q) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type()) {
     return checked_attention(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), dropout_p, causal, scale,
                              enable_gqa)
-        .to(dtype);
+        .to(q.scalar_type());
   }
   return checked_attention(q, k, v, dropout_p, causal, scale, enable_gqa);
+}
+
+torch::Tensor packed_attention(const torch::Tensor& qkv, double dropout_p, bool causal, std::optional<double> scale) {
+  check_dropout(dropout_p);
+  ZTRAIN_CHECK(qkv.dim() == 5 && qkv.size(2) == 3,
+               "packed_attention: qkv must be [batch, tokens, 3, heads, head size], got ", qkv.sizes());
+  const auto x = widened(qkv) ? qkv.to(torch::kFloat) : qkv;
+  const double scale_or_default = scale.value_or(1.0 / std::sqrt(static_cast<double>(x.size(4))));
+  torch::Tensor y;
+  if (fused(part(x, 0), part(x, 1), part(x, 2), dropout_p, scale_or_default)) {
+    y = PackedAttention::apply(x, dropout_p, causal, scale_or_default);
+  } else {
+    const auto parts = x.permute({2, 0, 3, 1, 4}).unbind(0);
+    y = at::scaled_dot_product_attention(parts[0], parts[1], parts[2], {}, dropout_p, causal, scale);
+  }
+  return y.to(qkv.scalar_type());
 }
 
 }  // namespace ztrain::models

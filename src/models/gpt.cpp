@@ -98,21 +98,22 @@ GptAttentionImpl::GptAttentionImpl(const GptConfig& c, Communicator* tp)
 
 torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   const auto b = x.size(0), t = x.size(1), hd = head_dim;
-  // q, k, v of [b, h, t, hd]; unbound, not indexed, so that backward stacks their gradients once
-  // instead of zero-filling a whole [3, b, h, t, hd] gradient for each and summing the three.
-  const auto qkv = c_attn(x).view({b, t, 3, n_head, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+  const auto packed = c_attn(x).view({b, t, 3, n_head, hd});
   // When this rank holds some of the heads, their dropout mask is its own, not the tp group's.
   std::optional<TensorParallelRng> split_rng;
   if (n_head * hd < x.size(-1)) split_rng.emplace(x.device());
   const double p = is_training() ? attn_dropout->options.p() : 0.0;
   torch::Tensor y;
-  // models::attention is libtorch's scaled_dot_product_attention where its own kernel does not
+  // models::packed_attention is libtorch's scaled_dot_product_attention where its own kernel does not
   // take the tensors (anything but float on the CPU). libtorch's CPU attention with dropout is its
   // unfused path, which draws the masks with bernoulli_, so there bf16 with dropout takes the
   // eager path below, which computes the same with the fused dropout in less time.
   if (fused && (p == 0 || !x.device().is_cpu() || x.scalar_type() == torch::kFloat)) {
-    y = models::attention(qkv[0], qkv[1], qkv[2], p, /*causal=*/true);
+    y = models::packed_attention(packed, p, /*causal=*/true);  // its gradient in c_attn's layout
   } else {
+    // q, k, v of [b, h, t, hd]; unbound, not indexed, so that backward stacks their gradients once
+    // instead of zero-filling a whole [3, b, h, t, hd] gradient for each and summing the three.
+    const auto qkv = packed.permute({2, 0, 3, 1, 4}).unbind(0);
     // Scores = causal + q kᵀ / √hd in one batched gemm: -inf above the diagonal, and no pass of
     // their own for the scale and the mask, forward or backward.
     const auto causal = torch::full({t, t}, -std::numeric_limits<float>::infinity(), x.options()).triu(1);

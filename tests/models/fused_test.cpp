@@ -574,6 +574,47 @@ TEST(Attention, SixteenBitWidenedWhereItsMatmulsAre) {
   }
 }
 
+// packed_attention: the bits of attention() on the unbound views, output and gradient, with and
+// without dropout, above and below one block of keys (libtorch's kernel there), in float and in
+// widened bf16, and twice differentiated; its gradient in the packed layout.
+TEST(Attention, PackedIsAttentionOfTheViews) {
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (int64_t t : {40, 100}) {
+      for (double p : {0.0, 0.2}) {
+        SCOPED_TRACE(c10::str(dtype, " t=", t, " p=", p));
+        torch::manual_seed(31);
+        const auto leaf = torch::randn({2, t, 3, 3, 16}).to(dtype).requires_grad_();
+        const auto views = leaf.permute({2, 0, 3, 1, 4}).unbind(0);
+        const auto dy = torch::randn({2, 3, t, 16}).to(dtype);
+        torch::manual_seed(32);
+        const auto got = with_grads(models::packed_attention(leaf, p, true), {leaf}, dy);
+        torch::manual_seed(32);
+        const auto want = with_grads(models::attention(views[0], views[1], views[2], p, true), {leaf}, dy);
+        EXPECT_TRUE(torch::equal(got[0], want[0]));
+        EXPECT_TRUE(torch::equal(got[1], want[1]));
+        if (t > 64 || p > 0) EXPECT_TRUE(got[1].is_contiguous());  // the kernel's, not libtorch's via unbind
+      }
+    }
+  }
+  torch::manual_seed(33);
+  const auto leaf = torch::randn({1, 100, 3, 2, 8}).requires_grad_();
+  const auto views = leaf.permute({2, 0, 3, 1, 4}).unbind(0);
+  const auto dy = torch::randn({1, 2, 100, 8}).requires_grad_();
+  std::vector<std::vector<torch::Tensor>> second;
+  for (bool packed : {true, false}) {
+    torch::manual_seed(34);
+    const auto y = packed ? models::packed_attention(leaf, 0.25, true)
+                          : models::attention(views[0], views[1], views[2], 0.25, true);
+    const auto g = torch::autograd::grad({y}, {leaf}, {dy}, true, true)[0];
+    second.push_back(torch::autograd::grad({g.pow(2).sum()}, {leaf, dy}));
+  }
+  EXPECT_TRUE(torch::equal(second[0][0], second[1][0]));
+  EXPECT_TRUE(torch::equal(second[0][1], second[1][1]));
+  EXPECT_NE(error_message([&] { models::packed_attention(leaf.narrow(2, 0, 2), 0.0, true); })
+                .find("qkv must be [batch, tokens, 3, heads, head size]"),
+            std::string::npos);
+}
+
 TEST(Attention, LibtorchsOutsideFloatOnTheCpuAndErrorsNamed) {
   torch::manual_seed(18);
   const auto q = torch::randn({1, 2, 9, 8}, torch::kDouble), k = torch::randn({1, 2, 9, 8}, torch::kDouble);

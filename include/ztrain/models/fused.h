@@ -66,6 +66,14 @@ torch::Tensor dropout(const torch::Tensor& x, double p, bool train);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double dropout_p,
                         bool causal, std::optional<double> scale = std::nullopt, bool enable_gqa = false);
 
+/// attention(q, k, v, dropout_p, causal, scale) of q, k and v packed in one [b, t, 3, h, d] tensor
+/// (a linear's [b, t, 3 · h · d] output viewed so; q its [:, :, 0] transposed to [b, h, t, d], k
+/// and v the next): the same result, and one gradient of the packed layout, which goes back to
+/// the linear as a view, where unbound views' three gradients would be stacked and then copied
+/// into that layout.
+torch::Tensor packed_attention(const torch::Tensor& qkv, double dropout_p, bool causal,
+                               std::optional<double> scale = std::nullopt);
+
 /// torch::nn::functional::cross_entropy(logits, targets) for logits [N, V] and targets [N] with
 /// the mean reduction, fused where it can be. Targets outside [0, V) other than ignore_index are
 /// an error, as in libtorch. 16-bit logits count as their float widening: the loss is a float, and
