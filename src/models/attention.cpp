@@ -36,6 +36,9 @@
 // other, each from its last block to its first: the first head's last block, which sees the most
 // keys, writes dk and dv, and everything after adds.
 //
+// packed_attention runs the same kernel on views of one [b, t, 3, h, d] tensor and writes dq, dk
+// and dv into one tensor of that layout.
+//
 // Dropout is the fused dropout's mask (dropout.cpp) over the [b, h, t_q, t_k] probabilities, drawn
 // row by row: element ((b · h + head) · t_q + i) · t_k + j, under one seed from the default CPU
 // generator. The probabilities after dropout are therefore exactly models::dropout of the
@@ -421,9 +424,8 @@ struct PackedAttention : torch::autograd::Function<PackedAttention> {
   }
 };
 
-// Whether this process widens 16-bit q, k and v of `dtype` for the fused kernel: where their
-// matmuls run through fp32 (cpu_matmul16.h); libtorch's attention would widen the same way, but
-// unfused.
+// Whether this process widens the 16-bit x for the fused kernel: where matmuls of x's type run
+// through fp32 (cpu_matmul16.h); libtorch's attention would widen the same way, but unfused.
 bool widened(const torch::Tensor& x) {
   const auto dtype = x.scalar_type();
   return x.device().is_cpu() && (dtype == torch::kBFloat16 || dtype == torch::kHalf) &&

@@ -1,6 +1,7 @@
 #include <ztrain/models/gpt.h>
 
 #include <ztrain/comm/functional.h>
+#include <ztrain/cpu_matmul16.h>
 #include <ztrain/error.h>
 #include <ztrain/models/fused.h>
 #include <ztrain/runtime/init.h>
@@ -104,11 +105,14 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   if (n_head * hd < x.size(-1)) split_rng.emplace(x.device());
   const double p = is_training() ? attn_dropout->options.p() : 0.0;
   torch::Tensor y;
-  // models::packed_attention is libtorch's scaled_dot_product_attention where its own kernel does not
-  // take the tensors (anything but float on the CPU). libtorch's CPU attention with dropout is its
-  // unfused path, which draws the masks with bernoulli_, so there bf16 with dropout takes the
-  // eager path below, which computes the same with the fused dropout in less time.
-  if (fused && (p == 0 || !x.device().is_cpu() || x.scalar_type() == torch::kFloat)) {
+  // models::packed_attention is libtorch's scaled_dot_product_attention where its own kernel does
+  // not take the tensors: 16-bit types on the CPU, unless this process runs their matmuls through
+  // fp32 (then the kernel runs on them widened). libtorch's CPU attention with dropout is its
+  // unfused path, which draws the masks with bernoulli_, so there 16-bit types with dropout take
+  // the eager path below, which computes the same with the fused dropout in less time.
+  const bool kernel = !x.device().is_cpu() || x.scalar_type() == torch::kFloat ||
+                      ztrain::detail::cpu_matmul_through_fp32(x.scalar_type());
+  if (fused && (p == 0 || kernel)) {
     y = models::packed_attention(packed, p, /*causal=*/true);  // its gradient in c_attn's layout
   } else {
     // q, k, v of [b, h, t, hd]; unbound, not indexed, so that backward stacks their gradients once
@@ -186,9 +190,7 @@ GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& o
 namespace {
 /// The tp group of the context the options name (the default context's when not set).
 Communicator& tp_of(const BlockOptions& options) { return context_or_default(options.context)->tp(); }
-}  // namespace
 
-namespace {
 // ---- the tied embedding's gradient -------------------------------------------------------------
 // The token table is used twice, by the lookup and by the head. Through libtorch's operators its
 // gradient would be the head's [V, d] product, a zero-filled [V, d] for the lookup's rows and

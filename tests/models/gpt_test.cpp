@@ -164,19 +164,23 @@ TEST(Gpt, TiedEmbeddingGradientIsLibtorchs) {
   if (runtime().rank() == 0) std::filesystem::remove_all(std::filesystem::path(file).parent_path());
 }
 
-// The fused attention (scaled_dot_product_attention) computes the eager product, causal mask
-// and softmax: the same loss and gradients up to rounding.
+// The fused attention (scaled_dot_product_attention) computes the eager product, causal mask,
+// softmax and dropout: the same loss and gradients up to rounding.
 TEST(Gpt, FusedAttentionComputesTheEagerAttention) {
   auto tokens = torch::randint(kConfig.vocab_size, {3, 13}, at::detail::createCPUGenerator(5), torch::kLong);
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+  for (auto [dtype, dropout] : {std::pair{torch::kFloat32, 0.0}, {torch::kBFloat16, 0.0}, {torch::kFloat32, 0.3},
+                                {torch::kBFloat16, 0.3}}) {  // with dropout: the same masks
+    SCOPED_TRACE(c10::str(dtype, ", dropout ", dropout));
     std::vector<double> losses;
     std::vector<torch::Tensor> grads;
     for (bool fused : {false, true}) {
       auto c = kConfig;
       c.dtype = dtype;
+      c.dropout = dropout;
       c.fused_attention = fused;
       Gpt model(c, {.zero_level = 0});
       init_parameters(*model, {.seed = 2, .init = models::gpt_init(c)});
+      torch::manual_seed(12);
       auto loss = model->loss(tokens);
       loss.backward();
       losses.push_back(loss.item<double>());
@@ -192,18 +196,21 @@ TEST(Gpt, FusedAttentionComputesTheEagerAttention) {
 // recomputed model are those of a stored one, bit for bit.
 TEST(Gpt, FusedAttentionDropoutReplaysUnderRecomputation) {
   auto tokens = torch::randint(kConfig.vocab_size, {3, 13}, at::detail::createCPUGenerator(6), torch::kLong);
-  auto c = kConfig;
-  c.dropout = 0.3;
-  std::vector<torch::Tensor> grads;
-  for (bool recompute : {false, true}) {
-    Gpt model(c, {.zero_level = 0, .use_checkpoint = recompute});
-    init_parameters(*model, {.seed = 2, .init = models::gpt_init(c)});
-    model->train();
-    torch::manual_seed(11);
-    model->loss(tokens).backward();
-    grads.push_back(model->parameters()[2].grad().clone());
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {  // bf16: the kernel on widened operands, or eager
+    auto c = kConfig;
+    c.dropout = 0.3;
+    c.dtype = dtype;
+    std::vector<torch::Tensor> grads;
+    for (bool recompute : {false, true}) {
+      Gpt model(c, {.zero_level = 0, .use_checkpoint = recompute});
+      init_parameters(*model, {.seed = 2, .init = models::gpt_init(c)});
+      model->train();
+      torch::manual_seed(11);
+      model->loss(tokens).backward();
+      grads.push_back(model->parameters()[2].grad().clone());
+    }
+    EXPECT_TRUE(torch::equal(grads[0], grads[1])) << "recomputation drew other attention dropout masks, " << dtype;
   }
-  EXPECT_TRUE(torch::equal(grads[0], grads[1])) << "recomputation drew other attention dropout masks";
 }
 
 TEST(Gpt, BadConfigurationsAreRejected) {
