@@ -345,17 +345,38 @@ void fused_backward(const Problem& pr, const torch::Tensor& grad, const torch::T
   });
 }
 
-void save_settings(torch::autograd::AutogradContext* ctx, const Problem& pr, double p, bool causal, double scale) {
+// Both functions' forward: the kernel on q, k and v, saving `inputs` (what backward finds q, k and
+// v in), y, lse and the settings.
+torch::Tensor forward_saving(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                             const torch::Tensor& v, double p, bool causal, double scale,
+                             std::vector<torch::Tensor> inputs) {
+  const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal, scale);
+  auto [y, lse] = fused_forward(pr, q, v);
+  inputs.insert(inputs.end(), {y, lse});
+  ctx->save_for_backward(inputs);
   ctx->saved_data["seed"] = static_cast<int64_t>(pr.seed);
   ctx->saved_data["p"] = p;
   ctx->saved_data["causal"] = causal;
   ctx->saved_data["scale"] = scale;
+  return y;
 }
 
-Problem saved_problem(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                      const torch::Tensor& v) {
-  return problem_of(q, k, v, ctx->saved_data["p"].toDouble(), static_cast<uint64_t>(ctx->saved_data["seed"].toInt()),
-                    ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
+// Both functions' backward: dq, dk and dv of q, k and v (y and lse the last two saved tensors),
+// written into the [b, h, t, d] views that `destinations` makes, or in libtorch's operators when
+// a graph is being built.
+template <class Destinations>
+std::vector<torch::Tensor> backward_of(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
+                                       const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& grad,
+                                       Destinations&& destinations) {
+  RECORD_FUNCTION("ztrain::attention_backward", std::vector<c10::IValue>({grad}));
+  const Problem pr = problem_of(q, k, v, ctx->saved_data["p"].toDouble(),
+                                static_cast<uint64_t>(ctx->saved_data["seed"].toInt()),
+                                ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
+  if (torch::GradMode::is_enabled()) return backward_differentiable(pr, q, k, v, grad);
+  const auto saved = ctx->get_saved_variables();
+  std::vector<torch::Tensor> d = destinations(pr);
+  fused_backward(pr, grad, saved[saved.size() - 2], saved.back(), d[0], d[1], d[2]);
+  return d;
 }
 
 struct FusedAttention : torch::autograd::Function<FusedAttention> {
@@ -364,29 +385,21 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
                                double scale) {
     RECORD_FUNCTION("ztrain::attention", std::vector<c10::IValue>({query, key, value}));
     const auto q = rows_contiguous(query), k = rows_contiguous(key), v = rows_contiguous(value);
-    const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal, scale);
-    auto [y, lse] = fused_forward(pr, q, v);
-    ctx->save_for_backward({q, k, v, y, lse});
-    save_settings(ctx, pr, p, causal, scale);
-    return y;
+    return forward_saving(ctx, q, k, v, p, causal, scale, {q, k, v});
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    RECORD_FUNCTION("ztrain::attention_backward", std::vector<c10::IValue>({grads[0]}));
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2];
-    const Problem pr = saved_problem(ctx, q, k, v);
-    if (torch::GradMode::is_enabled()) {
-      auto g = backward_differentiable(pr, q, k, v, grads[0]);
-      return {g[0], g[1], g[2], {}, {}, {}};
-    }
-    // each [b, t, h, d], returned as its [b, h, t, d] view
-    const auto dq = torch::empty({pr.batch, pr.tq, pr.heads, q.size(3)}, q.options()).transpose(1, 2);
-    const auto dk = torch::empty({pr.batch, pr.tk, k.size(1), k.size(3)}, k.options()).transpose(1, 2);
-    const auto dv = torch::empty({pr.batch, pr.tk, v.size(1), v.size(3)}, v.options()).transpose(1, 2);
-    fused_backward(pr, grads[0], saved[3], saved[4], dq, dk, dv);
-    return {dq, dk, dv, {}, {}, {}};
+    auto d = backward_of(ctx, q, k, v, grads[0], [&](const Problem& pr) {
+      // each [b, t, h, d], returned as its [b, h, t, d] view
+      return std::vector<torch::Tensor>{
+          torch::empty({pr.batch, pr.tq, pr.heads, q.size(3)}, q.options()).transpose(1, 2),
+          torch::empty({pr.batch, pr.tk, k.size(1), k.size(3)}, k.options()).transpose(1, 2),
+          torch::empty({pr.batch, pr.tk, v.size(1), v.size(3)}, v.options()).transpose(1, 2)};
+    });
+    return {d[0], d[1], d[2], {}, {}, {}};
   }
 };
 
@@ -399,27 +412,18 @@ struct PackedAttention : torch::autograd::Function<PackedAttention> {
                                bool causal, double scale) {
     RECORD_FUNCTION("ztrain::attention", std::vector<c10::IValue>({packed}));
     const auto qkv = rows_contiguous(packed);
-    const auto q = part(qkv, 0), v = part(qkv, 2);
-    const Problem pr = problem_of(q, part(qkv, 1), v, p, p > 0 ? detail::dropout_seed() : 0, causal, scale);
-    auto [y, lse] = fused_forward(pr, q, v);
-    ctx->save_for_backward({qkv, y, lse});
-    save_settings(ctx, pr, p, causal, scale);
-    return y;
+    return forward_saving(ctx, part(qkv, 0), part(qkv, 1), part(qkv, 2), p, causal, scale, {qkv});
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    RECORD_FUNCTION("ztrain::attention_backward", std::vector<c10::IValue>({grads[0]}));
-    const auto saved = ctx->get_saved_variables();
-    const auto& qkv = saved[0];
-    const auto q = part(qkv, 0), k = part(qkv, 1), v = part(qkv, 2);
-    const Problem pr = saved_problem(ctx, q, k, v);
-    if (torch::GradMode::is_enabled()) {
-      auto g = backward_differentiable(pr, q, k, v, grads[0]);
-      return {torch::stack({g[0].transpose(1, 2), g[1].transpose(1, 2), g[2].transpose(1, 2)}, 2), {}, {}, {}};
-    }
-    const auto dqkv = torch::empty_like(qkv, at::MemoryFormat::Contiguous);
-    fused_backward(pr, grads[0], saved[1], saved[2], part(dqkv, 0), part(dqkv, 1), part(dqkv, 2));
+    const auto qkv = ctx->get_saved_variables()[0];
+    torch::Tensor dqkv;
+    auto d = backward_of(ctx, part(qkv, 0), part(qkv, 1), part(qkv, 2), grads[0], [&](const Problem&) {
+      dqkv = torch::empty_like(qkv, at::MemoryFormat::Contiguous);
+      return std::vector<torch::Tensor>{part(dqkv, 0), part(dqkv, 1), part(dqkv, 2)};
+    });
+    if (!dqkv.defined()) dqkv = torch::stack({d[0].transpose(1, 2), d[1].transpose(1, 2), d[2].transpose(1, 2)}, 2);
     return {dqkv, {}, {}, {}};
   }
 };
