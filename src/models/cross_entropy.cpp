@@ -22,8 +22,8 @@
 // adds exp(−inf) = 0; the scalar code, for CPUs without AVX2, uses std::exp.
 // bf16 logits are read as the floats they widen to and every step runs in float; the loss is a
 // float and the gradient is rounded to bf16 once, element by element. So both are exactly those of
-// the float kernel on the widened logits, without a float copy of [N, V] (2 bytes an element
-// instead of 6 kept from forward to backward, and one pass less each way).
+// the float kernel on the widened logits, without a float copy of [N, V] (2 bytes an element kept
+// from forward to backward instead of 4, and one conversion pass less each way).
 
 namespace ztrain::models {
 
