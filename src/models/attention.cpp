@@ -361,11 +361,12 @@ torch::Tensor forward_saving(torch::autograd::AutogradContext* ctx, const torch:
   return y;
 }
 
-// Both functions' backward: dq, dk and dv of q, k and v (y and lse the last two saved tensors),
+// Both functions' backward: dq, dk and dv of q, k and v (y and lse the last two of `saved`),
 // written into the [b, h, t, d] views that `destinations` makes, or in libtorch's operators when
 // a graph is being built.
 template <class Destinations>
-std::vector<torch::Tensor> backward_of(torch::autograd::AutogradContext* ctx, const torch::Tensor& q,
+std::vector<torch::Tensor> backward_of(torch::autograd::AutogradContext* ctx,
+                                       const torch::autograd::variable_list& saved, const torch::Tensor& q,
                                        const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& grad,
                                        Destinations&& destinations) {
   RECORD_FUNCTION("ztrain::attention_backward", std::vector<c10::IValue>({grad}));
@@ -373,7 +374,6 @@ std::vector<torch::Tensor> backward_of(torch::autograd::AutogradContext* ctx, co
                                 static_cast<uint64_t>(ctx->saved_data["seed"].toInt()),
                                 ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
   if (torch::GradMode::is_enabled()) return backward_differentiable(pr, q, k, v, grad);
-  const auto saved = ctx->get_saved_variables();
   std::vector<torch::Tensor> d = destinations(pr);
   fused_backward(pr, grad, saved[saved.size() - 2], saved.back(), d[0], d[1], d[2]);
   return d;
@@ -392,7 +392,7 @@ struct FusedAttention : torch::autograd::Function<FusedAttention> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2];
-    auto d = backward_of(ctx, q, k, v, grads[0], [&](const Problem& pr) {
+    auto d = backward_of(ctx, saved, q, k, v, grads[0], [&](const Problem& pr) {
       // each [b, t, h, d], returned as its [b, h, t, d] view
       return std::vector<torch::Tensor>{
           torch::empty({pr.batch, pr.tq, pr.heads, q.size(3)}, q.options()).transpose(1, 2),
@@ -417,9 +417,10 @@ struct PackedAttention : torch::autograd::Function<PackedAttention> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto qkv = ctx->get_saved_variables()[0];
+    const auto saved = ctx->get_saved_variables();
+    const auto& qkv = saved[0];
     torch::Tensor dqkv;
-    auto d = backward_of(ctx, part(qkv, 0), part(qkv, 1), part(qkv, 2), grads[0], [&](const Problem&) {
+    auto d = backward_of(ctx, saved, part(qkv, 0), part(qkv, 1), part(qkv, 2), grads[0], [&](const Problem&) {
       dqkv = torch::empty_like(qkv, at::MemoryFormat::Contiguous);
       return std::vector<torch::Tensor>{part(dqkv, 0), part(dqkv, 1), part(dqkv, 2)};
     });
