@@ -42,6 +42,7 @@
 #include <ztrain/zero/layer_list.h>
 #include <ztrain/zero/distributed_parameter.h>
 #include <ztrain/zero/flat_param.h>
+#include <ztrain/zero/gradient_place.h>
 #include <ztrain/zero/init_parameters.h>
 #include <ztrain/zero/level_policy.h>
 #include <ztrain/zero/memory.h>

@@ -1,9 +1,11 @@
 #include <ztrain/tp/layers.h>
 
 #include <ztrain/comm/functional.h>
+#include <ztrain/cpu_matmul16.h>
 #include <ztrain/error.h>
 #include <ztrain/runtime/init.h>
 #include <ztrain/tp/nn.h>
+#include <ztrain/zero/gradient_place.h>
 
 #include <cmath>
 
@@ -34,14 +36,68 @@ std::vector<int64_t> weight_shape(WeightLayout layout, int64_t in, int64_t out) 
   return layout == WeightLayout::kOutIn ? std::vector<int64_t>{out, in} : std::vector<int64_t>{in, out};
 }
 
-/// x W (+ b) for either weight layout; b may be undefined.
-torch::Tensor affine(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, WeightLayout layout) {
-  if (layout == WeightLayout::kOutIn) return torch::nn::functional::linear(x, w, b);
-  auto sizes = x.sizes().vec();
-  sizes.back() = w.size(1);
-  const auto x2 = x.reshape({-1, x.size(-1)});
-  return (b.defined() ? torch::addmm(b, x2, w) : torch::mm(x2, w)).view(sizes);
+/// The gradient a · b of parameter p: written into p's place in its sharded module's flat
+/// gradient buffer where it has one (zero/gradient_place.h), returning undefined; else returned.
+torch::Tensor product_gradient(const torch::Tensor& p, const torch::Tensor& a, const torch::Tensor& b) {
+  const bool written = write_gradient(p, [&](torch::Tensor& place, bool accumulate) {
+    if (place.is_cpu() && detail::cpu_matmul_through_fp32(place.scalar_type())) {
+      const auto product = torch::mm(a, b);  // widened, which the out= and in-place forms are not
+      accumulate ? place.add_(product) : place.copy_(product);
+    } else {
+      accumulate ? place.addmm_(a, b) : at::mm_out(place, a, b);
+    }
+  });
+  return written ? torch::Tensor() : torch::mm(a, b);
 }
+
+/// The sum of g's rows, as the gradient of bias b (as product_gradient).
+torch::Tensor bias_gradient(const torch::Tensor& b, const torch::Tensor& g) {
+  const bool written = write_gradient(b, [&](torch::Tensor& place, bool accumulate) {
+    accumulate ? place.add_(g.sum(0)) : at::sum_out(place, g, 0);
+  });
+  return written ? torch::Tensor() : g.sum(0);
+}
+
+/// x W + b (layout kInOut) or x Wᵀ + b (kOutIn) over x's last dimension, b optional. Backward
+/// writes the weight's and the bias's gradients straight into their places in the flat gradient
+/// buffer of the sharded module running its backward, where they have one, saving the copy there
+/// (Megatron's gradient accumulation fusion).
+struct Affine : torch::autograd::Function<Affine> {
+  // A function's tensor arguments must be defined: no bias is an empty one.
+  static torch::Tensor none(const torch::Tensor& w) { return torch::empty({0}, w.options()); }
+  static bool has(const torch::Tensor& b) { return b.numel() > 0; }
+
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b, bool in_out) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = w.size(in_out ? 1 : 0);
+    const auto x2 = x.reshape({-1, x.size(-1)}), w2 = in_out ? w : w.t();
+    ctx->save_for_backward({x2, w, b});
+    ctx->saved_data["in_out"] = in_out;
+    return (has(b) ? torch::addmm(b, x2, w2) : torch::mm(x2, w2)).view(sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &w = saved[1], &b = saved[2];
+    const bool in_out = ctx->saved_data["in_out"].toBool();
+    const auto g = grads[0].reshape({-1, grads[0].size(-1)});
+    variable_list out(4);
+    if (ctx->needs_input_grad(0)) {
+      auto sizes = grads[0].sizes().vec();
+      sizes.back() = x2.size(1);
+      out[0] = g.mm(in_out ? w.t() : w).view(sizes);
+    }
+    // Under create_graph the gradients are returned, to be differentiated again.
+    const bool direct = !torch::GradMode::is_enabled();
+    if (ctx->needs_input_grad(1)) {
+      const auto a = in_out ? x2.t() : g.t(), c = in_out ? g : x2;
+      out[1] = direct ? product_gradient(w, a, c) : a.mm(c);
+    }
+    if (ctx->needs_input_grad(2)) out[2] = direct ? bias_gradient(b, g) : g.sum(0);
+    return out;
+  }
+};
 
 /// Whether a layer over `current` is to be split over `group` (false: it is split over it
 /// already); refuses one split over another group of several ranks.
@@ -59,6 +115,11 @@ void check_features(const char* layer, int64_t in, int64_t out) {
 }
 
 }  // namespace
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                     WeightLayout layout) {
+  return Affine::apply(x, weight, bias.defined() ? bias : Affine::none(weight), layout == WeightLayout::kInOut);
+}
 
 Communicator* resolve_group(Communicator* group) {
   if (group) return group;
@@ -101,8 +162,8 @@ void ColumnParallelLinearImpl::parallelize(Communicator& group, ParallelContext*
 torch::Tensor column_parallel_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                                      const ColumnParallelLinearOptions& options, Communicator* group) {
   const int tp = size_of(group);
-  if (tp == 1) return affine(x, weight, bias, options.layout);
-  auto y = affine(functional::copy_to_group(x, *group), weight, bias, options.layout);
+  if (tp == 1) return linear(x, weight, bias, options.layout);
+  auto y = linear(functional::copy_to_group(x, *group), weight, bias, options.layout);
   if (!options.gather_output) return y;
   y = functional::gather_from_group(y, *group, -1);  // features ordered (rank, part, chunk)
   if (options.fused_parts == 1) return y;
@@ -144,9 +205,9 @@ void RowParallelLinearImpl::parallelize(Communicator& group, ParallelContext* co
 
 torch::Tensor row_parallel_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                                   const RowParallelLinearOptions& options, Communicator* group) {
-  if (size_of(group) == 1) return affine(x, weight, bias, options.layout);
+  if (size_of(group) == 1) return linear(x, weight, bias, options.layout);
   auto in = options.input_is_parallel ? x : functional::scatter_to_group(x, *group, -1);
-  auto y = functional::reduce_from_group(affine(in, weight, torch::Tensor(), options.layout), *group);
+  auto y = functional::reduce_from_group(linear(in, weight, torch::Tensor(), options.layout), *group);
   return bias.defined() ? y + bias : y;
 }
 

@@ -78,7 +78,7 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
                                       .input_is_parallel = style_.input_is_parallel},
                                      group_);
     default:
-      return torch::nn::functional::linear(x, weight, bias);
+      return tp::linear(x, weight, bias);
   }
 }
 

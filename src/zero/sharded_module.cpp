@@ -9,6 +9,7 @@
 #include <ztrain/runtime/mapped_file.h>
 #include <ztrain/runtime/rng.h>
 #include <ztrain/runtime/tp_rng.h>
+#include <ztrain/zero/gradient_place.h>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -28,13 +29,14 @@
 // inputs with grad enabled, building an inner graph the node keeps; with it, the module runs
 // without grad and the node keeps the inputs and the states of the CPU's and the device's
 // generators. When the engine reaches the node, it (re)builds the inner graph and runs a nested
-// backward with the wrapped parameters' .grad preset to views of one zeroed flat gradient buffer
-// per group, so the engine accumulates straight into the buffer. The buffer is then reduced on the
-// context's reduction stream (all-reduce or reduce-scatter as the level's policy says, a mean over
-// dp), which adds the result to the shard's .grad; a callback queued on the engine waits for the
-// stream before backward() returns, and at most kMaxPendingReductions buffers are in flight. The
-// streams belong to the module's ParallelContext, shared by every sharded module on it, so gathers
-// and reductions of consecutive blocks queue in order.
+// backward into one flat gradient buffer per group: operators that compute a parameter's gradient
+// themselves write it into its place there (gradient_place.h), and the gradients autograd leaves
+// on the parameters are copied in after. The buffer is then reduced on the context's reduction
+// stream (all-reduce or reduce-scatter as the level's policy says, a mean over dp), which adds the
+// result to the shard's .grad; a callback queued on the engine waits for the stream before
+// backward() returns, and at most kMaxPendingReductions buffers are in flight. The streams belong
+// to the module's ParallelContext, shared by every sharded module on it, so gathers and reductions
+// of consecutive blocks queue in order.
 //
 // Levels 2 and 3 release the full buffers by detaching their StorageImpl from its memory and
 // later attaching fresh memory to the same StorageImpl: the parameters and every tensor the
@@ -146,19 +148,22 @@ class GeneratorStateGuard {
   std::vector<torch::Tensor> saved_;
 };
 
-/// The gradients a backward left on group g's parameters, in a fresh flat buffer of the group's
-/// layout, and the parameters' gradients undefined again. What no gradient reached (a parameter
-/// the forward did not use, the alignment gaps, the padding) is zero.
-torch::Tensor take_gradients(ShardGroup& g, c10::Device device, bool host_shared) {
-  auto flat = flat_buffer(g.layout.total_numel(), g.full.scalar_type(), device, host_shared);
+/// Group g's flat gradient buffer after a backward: what operators wrote into their places
+/// (`places`), plus what autograd left on the parameters (copied, or added where both), and the
+/// parameters' gradients undefined again. What no gradient reached (a parameter the forward did
+/// not use, the alignment gaps, the padding) is zero.
+void finish_gradients(ShardGroup& g, const torch::Tensor& flat, const GradientPlaces& places) {
+  torch::NoGradGuard no_grad;
   int64_t end = 0;  // of the last entry: the entries are in offset order
   for (size_t e = 0; e < g.params.size(); ++e) {
     const auto& entry = g.layout.entries()[e];
     if (entry.offset > end) flat.narrow(0, end, entry.offset - end).zero_();
-    auto place = flat.narrow(0, entry.offset, entry.numel);
+    auto place = flat.narrow(0, entry.offset, entry.numel).view(entry.shape);
     auto& grad = g.params[e].mutable_grad();
-    if (grad.defined()) {
-      place.view(entry.shape).copy_(grad);
+    if (places.written(g.params[e])) {
+      if (grad.defined()) place.add_(grad);
+    } else if (grad.defined()) {
+      place.copy_(grad);
     } else {
       place.zero_();
     }
@@ -166,7 +171,6 @@ torch::Tensor take_gradients(ShardGroup& g, c10::Device device, bool host_shared
     end = entry.offset + entry.numel;
   }
   if (end < flat.numel()) flat.narrow(0, end, flat.numel() - end).zero_();
-  return flat;
 }
 }  // namespace
 }  // namespace detail
@@ -545,14 +549,23 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
       root_grads.push_back(grads[i]);
     }
   }
-  // The parameters' gradients start undefined, so that autograd hands over each one as the
-  // backward made it (or the sum, for a parameter used more than once); each is then copied to
-  // its place in a fresh flat buffer. Accumulating into a zeroed buffer instead costs a pass of
-  // zeros and a read-add-write pass over the whole buffer.
-  std::vector<torch::Tensor> targets;
-  for (auto& g : groups_) {
-    if (!g.requires_grad) continue;
-    for (auto& p : g.params) {
+  // Each group's flat gradient buffer exists before the backward, uninitialised, and each
+  // parameter's place in it is offered to the operators that compute gradients themselves
+  // (gradient_place.h): a linear's weight-gradient gemm writes there directly. The other
+  // gradients start undefined, so that autograd hands over each one as the backward made it (or
+  // the sum, for a parameter used more than once), to be copied to its place; accumulating into
+  // a zeroed buffer instead would cost a pass of zeros and a read-add-write pass.
+  std::vector<torch::Tensor> targets, flats(groups_.size());
+  detail::GradientPlaces places;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    auto& group = groups_[g];
+    if (!group.requires_grad) continue;
+    flats[g] = detail::flat_buffer(group.layout.total_numel(), group.full.scalar_type(), context_->device(),
+                                   context_->host_shared_buffers());
+    for (size_t e = 0; e < group.params.size(); ++e) {
+      const auto& entry = group.layout.entries()[e];
+      auto& p = group.params[e];
+      places.add(p, flats[g].narrow(0, entry.offset, entry.numel).view(entry.shape));
       p.mutable_grad().reset();
       targets.push_back(p);
     }
@@ -564,7 +577,8 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   bool reduced = false;
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (!groups_[g].requires_grad) continue;
-    reduce_gradient(g, detail::take_gradients(groups_[g], context_->device(), context_->host_shared_buffers()));
+    detail::finish_gradients(groups_[g], flats[g], places);
+    reduce_gradient(g, std::move(flats[g]));
     reduced = true;
   }
   // An optimizer may now update the shards without a trace in their version counters

@@ -301,6 +301,65 @@ TEST_P(BlockScenario, LevelThreeFreesGatheredStorageBetweenForwardAndBackwardBut
   EXPECT_TRUE(x.grad().defined());
 }
 
+/// Weights whose gradients tp::linear writes into the flat buffer: `a` used twice (the second
+/// write adds), `a` also through a plain operator (autograd's share added to the written one), `b`
+/// in the [in, out] layout without a bias; and `c`, whose gradient a custom operator writes
+/// (Scaled), recording whether it had a place to write it.
+struct Scaled : torch::autograd::Function<Scaled> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& c) {
+    ctx->save_for_backward({x, c});
+    return x * c;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto dc = (grads[0] * saved[0]).flatten(0, -2).sum(0);
+    wrote.push_back(write_gradient(saved[1], [&](torch::Tensor& place, bool accumulate) {
+      accumulate ? place.add_(dc) : place.copy_(dc);
+    }));
+    return {grads[0] * saved[1], wrote.back() ? torch::Tensor() : dc};
+  }
+  static inline std::vector<bool> wrote;
+};
+
+struct WrittenImpl : torch::nn::Module {
+  explicit WrittenImpl(int64_t d) {
+    a = register_parameter("a", torch::randn({d, d}));
+    bias = register_parameter("bias", torch::randn({d}));
+    b = register_parameter("b", torch::randn({d, d}));
+    c = register_parameter("c", torch::randn({d}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(tp::linear(x, a, bias));
+    h = tp::linear(h, a, bias) + a.pow(2).sum();
+    return Scaled::apply(tp::linear(h, b, torch::Tensor(), tp::WeightLayout::kInOut), c);
+  }
+  torch::Tensor a, bias, b, c;
+};
+TORCH_MODULE(Written);
+
+TEST_P(BlockScenario, OperatorsWriteGradientsIntoTheFlatBuffer) {
+  const int level = GetParam();
+  const int64_t d = 6;
+  torch::manual_seed(5);
+  Written plain(d);
+  torch::manual_seed(5);
+  Block<Written> block(Written(d), {.zero_level = level, .use_checkpoint = level % 2 == 1});
+  const auto x = torch::randn({3, 4, d});
+  for (int pass = 0; pass < 2; ++pass) {  // the second adds to the first's gradients
+    Scaled::wrote.clear();
+    plain(x).pow(2).sum().backward();
+    EXPECT_EQ(Scaled::wrote, std::vector<bool>{false});  // outside a sharded module: returned
+    Scaled::wrote.clear();
+    block(x).pow(2).sum().backward();
+    EXPECT_EQ(Scaled::wrote, std::vector<bool>{true});
+    const auto grads = sharded_grads(*block);
+    for (const auto& [name, grad] : grads_by_name(*plain)) {
+      EXPECT_TRUE(tensors_equal(grads.at(name), grad, 1e-5, 1e-6)) << name << ", pass " << pass;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Levels, BlockScenario, ::testing::Values(0, 1, 2, 3),
                          [](const auto& info) { return c10::str("level", info.param); });
 

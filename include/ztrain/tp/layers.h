@@ -45,6 +45,14 @@ enum class WeightLayout {
   kInOut,  // [in, out], y = x W + b (Hugging Face Conv1D)
 };
 
+/// x Wᵀ + b (kOutIn) or x W + b (kInOut) over x's last dimension, b optional (undefined): the
+/// dense linear every layer here computes on its slices, and ztrain::nn::Linear whole. Its
+/// backward writes the weight's and the bias's gradients straight into their places in the flat
+/// gradient buffer of the sharded module running its backward (zero/gradient_place.h), where
+/// torch's linear would hand them over to be copied there.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                     WeightLayout layout = WeightLayout::kOutIn);
+
 struct ColumnParallelLinearOptions {
   int64_t in_features = 0;
   /// The full (unsplit) number of output features.
