@@ -3,6 +3,7 @@
 #include <ztrain/error.h>
 
 #include <mutex>
+#include <unordered_map>
 
 namespace ztrain::detail {
 
