@@ -390,6 +390,18 @@ int run(const Args& a) {
                  {"rss_before_model", before.rss_bytes}, {"device_peak", device_peak_bytes(device)}};
   for (auto& [k, v] : memory.items()) v = max_over_ranks(static_cast<double>(v.get<int64_t>()));
 
+  // Parameters whose full buffers map the ranks' shards on this host (ShardGroup::mapped), which
+  // no gather moves: in all, and in one transformer block (the blocks are alike).
+  int64_t mapped_params = 0, mapped_block_params = 0;
+  for (const auto& item : module->named_modules()) {
+    const auto* sharded = dynamic_cast<const zt::ShardedModule*>(item.value().get());
+    if (!sharded) continue;
+    int64_t mapped = 0;
+    for (const auto& g : sharded->groups()) mapped += g.mapped ? g.layout.used_numel() : 0;
+    mapped_params += mapped;
+    if (item.key().find("transformer.h.") != std::string::npos) mapped_block_params = mapped;
+  }
+
   const auto step_spread = spread(step_s);
   const int64_t tokens_per_step = a.batch * seq * n;
   const double tokens_per_s = tokens_per_step / step_spread.median;
@@ -428,6 +440,8 @@ int run(const Args& a) {
       {"memory", memory},
       {"formula", plain ? json() : zero_formula(psi, config.dtype, boosted ? plugin_stage(a.plugin) : a.level, n)},
       {"comm_bytes_per_step", comm},
+      {"mapped_params", mapped_params},
+      {"mapped_block_params", mapped_block_params},
       {"flops_per_token", flops_per_token},
       {"model_gflops_per_rank", flops_per_token * tokens_per_s / n / 1e9},
       {"matmul", probe},

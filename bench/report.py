@@ -355,7 +355,10 @@ def comm_section(rows):
         "per rank: a ring all-reduce or reduce-scatter + all-gather of the Ψ·b bytes of the parameters (b bytes "
         "per element of the model dtype) sends 2·(N−1)/N·Ψb; levels 0–2 send that (the ZeRO paper's 2Ψ, its "
         "N → ∞ limit), level 3 gathers them again for backward, all but the last block, which keeps them "
-        "from its forward: (N−1)/N·(3Ψ − Ψ_block)·b. Where the native share is 100% (the tiny model), "
+        "from its forward: (N−1)/N·(3Ψ − Ψ_block)·b. Where the ranks share a host, the full parameters of "
+        "levels 2 and 3 map the ranks' shards instead (the engine's default with host-shared buffers, for flat "
+        "groups whose shard is at least 256 KiB): those parameters are reduced and never gathered, and the theory "
+        "leaves them out of the gathers. Where the native share is 100% (the tiny model), "
         "the row checks the volume the engine asks MPI to move, not the transport's own traffic.")
     sel = [r for r in rows if r["system"] == "ztrain" and r["ranks"] > 1 and r["tag"] in ("peer", "memory")]
     body, checks = [], []
@@ -474,9 +477,13 @@ def sent_theory(r, b=4):
     """Bytes a rank sends per step by the ring formulas, b bytes per element: a reduce-scatter and
     an all-gather of the Ψ·b bytes of the parameters at levels 0–2, 2·(N−1)/N·Ψb; level 3 gathers
     them again for backward, all but the last block's, which keeps its parameters from its forward
-    to its backward."""
+    to its backward. Parameters whose full buffers map the ranks' shards (levels 2-3 on one host)
+    are reduced but never gathered."""
     n, psi = r["ranks"], r["params"]
-    elements = 3 * psi - block_params(r["model"]["d_model"]) if r["level"] == 3 else 2 * psi
+    mapped, mapped_block = r.get("mapped_params", 0), r.get("mapped_block_params", 0)
+    elements = psi + (psi - mapped)
+    if r["level"] == 3:
+        elements += psi - mapped - (block_params(r["model"]["d_model"]) - mapped_block)
     return (n - 1) / n * elements * b
 
 

@@ -336,6 +336,7 @@ PYBIND11_MODULE(_C, m) {
       .def("gathered_parameters", [](zt::ShardedModule& b) { return zt::gathered_parameters(b); }, release())
       .def("parameter_bytes", &zt::ShardedModule::parameter_bytes)
       .def("gathered_bytes", &zt::ShardedModule::gathered_bytes)
+      .def("maps_shards", &zt::ShardedModule::maps_shards)
       .def("set_gradient_sync", &zt::ShardedModule::set_gradient_sync)
       .def("gradient_sync", &zt::ShardedModule::gradient_sync)
       .def("set_tied_copies",  // how many pipeline stages hold this module (a global norm counts each once)

@@ -130,8 +130,14 @@ class Block(torch.nn.Module):
         return self._native.parameter_bytes()
 
     def gathered_bytes(self):
-        """Bytes of full parameters now allocated (gathered or being gathered)."""
+        """Bytes of full parameters now allocated (gathered or being gathered); none where the
+        full parameters map the ranks' shards (maps_shards)."""
         return self._native.gathered_bytes()
+
+    def maps_shards(self):
+        """Whether the full parameters map the dp ranks' shards instead of holding gathered copies
+        (level 3 with every dp rank on this host and host-shared buffers)."""
+        return self._native.maps_shards()
 
 
 class BlockList(torch.nn.Module):

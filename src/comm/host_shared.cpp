@@ -4,6 +4,7 @@
 
 #include "../host_memory.h"
 
+#include <ztrain/comm/communicator.h>
 #include <ztrain/error.h>
 #include <ztrain/torch_compat.h>
 
@@ -18,8 +19,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iostream>
 #include <map>
 #include <mutex>
+#include <sstream>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -232,6 +235,28 @@ class HostSharedAllocator final : public HostAllocator {
 
 // ---- peers' blocks ---------------------------------------------------------------------------
 
+// Maps [offset, offset + bytes) of memory file `fd` of process `pid`, shared: at `where` (replacing
+// what is mapped there) unless that is null. Null with the reason in `error`.
+void* map_process_file(int pid, int fd, uint64_t offset, size_t bytes, bool writable, void* where,
+                       std::string& error) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  const int local = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+  if (local < 0) {
+    error = "cannot open " + path + ": " + errno_text();
+    return nullptr;
+  }
+  struct stat st {};
+  void* p = MAP_FAILED;
+  if (fstat(local, &st) != 0 || static_cast<uint64_t>(st.st_size) < offset + bytes) {
+    error = path + " is not the expected shared memory file";
+  } else if ((p = mmap(where, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                       MAP_SHARED | (where ? MAP_FIXED : 0), local, static_cast<off_t>(offset))) == MAP_FAILED) {
+    error = "cannot map " + path + ": " + errno_text();
+  }
+  close(local);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
 class PeerMappings {
  public:
   static PeerMappings& instance() {
@@ -244,7 +269,7 @@ class PeerMappings {
     Peer& peer = peers_[range.pid];
     if (peer.directory == nullptr) {
       peer.directory = static_cast<const uint64_t*>(
-          open_and_map(range.pid, range.directory_fd, kDirectoryBytes, /*writable=*/false, error));
+          map_process_file(range.pid, range.directory_fd, 0, kDirectoryBytes, /*writable=*/false, nullptr, error));
       if (peer.directory == nullptr) {
         peers_.erase(range.pid);
         return nullptr;
@@ -261,7 +286,7 @@ class PeerMappings {
     auto found = peer.blocks.find(range.id);
     if (found == peer.blocks.end()) {
       auto* base =
-          static_cast<char*>(open_and_map(range.pid, range.block_fd, range.block_bytes, /*writable=*/true, error));
+          static_cast<char*>(map_process_file(range.pid, range.block_fd, 0, range.block_bytes, /*writable=*/true, nullptr, error));
       if (base == nullptr) return nullptr;
       found = peer.blocks.emplace(range.id, Mapping{base, range.block_bytes, range.slot}).first;
     }
@@ -278,24 +303,6 @@ class PeerMappings {
     const uint64_t* directory = nullptr;
     std::map<uint64_t, Mapping> blocks;  // by id
   };
-
-  static void* open_and_map(int pid, int fd, size_t bytes, bool writable, std::string& error) {
-    const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-    const int local = open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
-    if (local < 0) {
-      error = "cannot open " + path + ": " + errno_text();
-      return nullptr;
-    }
-    struct stat st {};
-    void* p = nullptr;
-    if (fstat(local, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
-      error = path + " is not the expected shared memory file";
-    } else if ((p = map_file(local, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ)) == nullptr) {
-      error = "cannot map " + path + ": " + errno_text();
-    }
-    close(local);
-    return p;
-  }
 
   std::mutex mu_;
   std::map<int, Peer> peers_;  // by pid
@@ -487,6 +494,92 @@ bool is_host_shared(const torch::Tensor& tensor) {
   if (!tensor.defined() || !tensor.device().is_cpu() || !tensor.has_storage()) return false;
   const auto& storage = tensor.storage();
   return storage.nbytes() > 0 && detail::find_host_shared(storage.data(), storage.nbytes()).has_value();
+}
+
+int64_t host_shared_page_bytes() {
+  static const int64_t page = sysconf(_SC_PAGESIZE);
+  return page;
+}
+
+namespace {
+
+// What a member says of its part in host_shared_view_of_members.
+struct PartOffer {
+  int32_t usable = 0;  // host-shared, contiguous, whole pages from a page boundary
+  int32_t dtype = 0;
+  int64_t bytes = 0;
+  detail::SharedRange range;
+};
+
+// Maps `bytes` of each member's part, in member order, into one reserved stretch of addresses;
+// nullptr with the reason in `error`.
+char* map_parts_end_to_end(const std::vector<PartOffer>& offers, size_t bytes, std::string& error) {
+  const size_t total = bytes * offers.size();
+  void* reserved = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (reserved == MAP_FAILED) {
+    error = "cannot reserve " + std::to_string(total) + " bytes of addresses: " + detail::errno_text();
+    return nullptr;
+  }
+  auto* base = static_cast<char*>(reserved);
+  for (size_t m = 0; m < offers.size(); ++m) {
+    const auto& range = offers[m].range;
+    if (!detail::map_process_file(range.pid, range.block_fd, range.offset, bytes, /*writable=*/true, base + m * bytes,
+                                  error)) {
+      munmap(base, total);
+      return nullptr;
+    }
+  }
+  return base;
+}
+
+}  // namespace
+
+torch::Tensor host_shared_view_of_members(Communicator& comm, const torch::Tensor& part) {
+  ZTRAIN_CHECK(part.defined(), "host_shared_view_of_members: the part is undefined");
+  if (!comm.host_local()) return {};
+  const int64_t page = host_shared_page_bytes();
+  PartOffer mine{.dtype = static_cast<int32_t>(part.scalar_type()), .bytes = static_cast<int64_t>(part.nbytes())};
+  if (part.device().is_cpu() && part.is_contiguous() && mine.bytes > 0 && mine.bytes % page == 0 &&
+      reinterpret_cast<uintptr_t>(part.data_ptr()) % page == 0) {
+    if (auto range = detail::find_host_shared(part.data_ptr(), part.nbytes())) {
+      mine.usable = 1;
+      mine.range = *range;
+    }
+  }
+  const auto said = comm.all_gather_bytes(std::string_view(reinterpret_cast<const char*>(&mine), sizeof mine));
+  std::vector<PartOffer> offers(said.size());
+  bool usable = true, same = true;
+  for (size_t m = 0; m < said.size(); ++m) {
+    std::memcpy(&offers[m], said[m].data(), sizeof(PartOffer));
+    usable = usable && offers[m].usable;
+    same = same && offers[m].bytes == mine.bytes && offers[m].dtype == mine.dtype;
+  }
+  if (!same) {
+    std::ostringstream parts;
+    for (size_t m = 0; m < offers.size(); ++m) {
+      parts << (m ? ", " : "") << "rank " << m << " " << offers[m].bytes << " bytes of "
+            << c10::toString(static_cast<c10::ScalarType>(offers[m].dtype));
+    }
+    ZTRAIN_CHECK(false, "host_shared_view_of_members on communicator '", comm.name(), "': the members' parts differ (",
+                 parts.str(), "); every member must pass the same size and dtype");
+  }
+  if (!usable) return {};
+  std::string error;
+  char* base = map_parts_end_to_end(offers, static_cast<size_t>(mine.bytes), error);
+  const auto mapped = comm.all_gather_bytes(base ? "1" : "0");
+  const bool everywhere = std::all_of(mapped.begin(), mapped.end(), [](const std::string& s) { return s == "1"; });
+  const size_t total = static_cast<size_t>(mine.bytes) * offers.size();
+  if (!everywhere) {
+    if (base) munmap(base, total);
+    if (!error.empty()) {
+      std::cerr << "ztrain: host_shared_view_of_members on communicator '" << comm.name() << "': " << error
+                << "; the caller copies instead" << std::endl;
+    }
+    return {};
+  }
+  return torch::from_blob(
+      base, {part.numel() * static_cast<int64_t>(offers.size())}, [total](void* p) { munmap(p, total); },
+      torch::TensorOptions().dtype(part.scalar_type()));
 }
 
 }  // namespace ztrain

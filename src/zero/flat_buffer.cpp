@@ -71,4 +71,14 @@ void allocate_storage(const torch::Tensor& t) {
   impl->set_nbytes(nbytes);
 }
 
+void adopt_storage(const torch::Tensor& t, const torch::Tensor& memory) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  auto* from = memory.storage().unsafeGetStorageImpl();
+  const size_t nbytes = from->nbytes();
+  ZTRAIN_INTERNAL_ASSERT(nbytes == t.nbytes() && from->device() == impl->device());
+  impl->set_data_ptr_noswap(from->set_data_ptr(at::DataPtr(nullptr, from->device())));
+  from->set_nbytes(0);
+  impl->set_nbytes(nbytes);
+}
+
 }  // namespace ztrain::detail

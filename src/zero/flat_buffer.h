@@ -20,5 +20,8 @@ bool is_flat_buffer(const torch::Tensor& t);
 void free_storage(const torch::Tensor& t);
 /// Gives `t`'s storage fresh memory of its size from its own allocator, unless it has it.
 void allocate_storage(const torch::Tensor& t);
+/// Gives `t`'s storage the memory of `memory`'s, which must be as large, taking it over (and
+/// its release): every tensor over t's storage sees that memory from then on.
+void adopt_storage(const torch::Tensor& t, const torch::Tensor& memory);
 
 }  // namespace ztrain::detail

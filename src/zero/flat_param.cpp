@@ -13,9 +13,11 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 }  // namespace
 
 FlatParamLayout::FlatParamLayout(const std::vector<std::pair<std::string, std::vector<int64_t>>>& params,
-                                 c10::ScalarType dtype, int world_size)
+                                 c10::ScalarType dtype, int world_size, int64_t shard_align_bytes)
     : dtype_(dtype), world_size_(world_size) {
   ZTRAIN_CHECK(world_size >= 1, "FlatParamLayout: world_size must be at least 1, got ", world_size);
+  ZTRAIN_CHECK(shard_align_bytes > 0 && shard_align_bytes % kAlignBytes == 0,
+               "FlatParamLayout: shards align to a multiple of ", kAlignBytes, " bytes, got ", shard_align_bytes);
   const int64_t align = std::max<int64_t>(1, kAlignBytes / static_cast<int64_t>(c10::elementSize(dtype)));
   int64_t offset = 0;
   for (const auto& [name, shape] : params) {
@@ -32,8 +34,9 @@ FlatParamLayout::FlatParamLayout(const std::vector<std::pair<std::string, std::v
     offset += numel;
     used_ += numel;
   }
-  // Every shard starts on an alignment boundary: pad to a multiple of world_size · align.
-  total_ = round_up(offset, static_cast<int64_t>(world_size) * align);
+  // Every shard starts on a boundary: pad to a multiple of world_size · its alignment.
+  const int64_t shard_align = std::max<int64_t>(1, shard_align_bytes / static_cast<int64_t>(c10::elementSize(dtype)));
+  total_ = round_up(offset, static_cast<int64_t>(world_size) * shard_align);
 }
 
 const FlatParamEntry& FlatParamLayout::find(const std::string& name) const {

@@ -3,6 +3,7 @@
 #include "flat_buffer.h"
 
 #include <ztrain/comm/comm_stream.h>
+#include <ztrain/comm/host_shared.h>
 #include <ztrain/error.h>
 #include <ztrain/optim/param_groups.h>
 #include <ztrain/runtime/init.h>
@@ -15,6 +16,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <algorithm>
 #include <deque>
 #include <mutex>
 #include <sstream>
@@ -42,12 +44,22 @@
 // later attaching fresh memory to the same StorageImpl: the parameters and every tensor the
 // inner graph saved point at that StorageImpl, so they see the refilled values, and version
 // counters are untouched because nothing writes through a tensor.
+//
+// Where the dp ranks share a host (and host-shared buffers are on), a group whose shard is at least
+// kMappedShardMinBytes is laid out in whole pages and its full buffer instead maps the ranks'
+// shards end to end (host_shared_view_of_members), for the module's life: the parameters read the
+// peers' memory in place, no gather copies anything, and a "gather" is a barrier on the gather
+// stream that each rank joins once its optimizer's writes to its shard are done. A rank writes its
+// shard again only in its next optimizer step, after the reduce-scatter of that step, which no rank
+// completes before every rank's backward through the module is done.
 
 namespace ztrain {
 namespace detail {
 
 namespace {
 constexpr size_t kMaxPendingReductions = 2;
+// Smaller shards are gathered by copying: mapping pads each one to whole pages.
+constexpr int64_t kMappedShardMinBytes = int64_t{256} << 10;
 
 /// A tensor over `base`'s storage at `offset` with `shape`, contiguous, without view tracking.
 torch::Tensor alias(const torch::Tensor& base, int64_t offset, at::IntArrayRef shape) {
@@ -263,8 +275,16 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
   torch::NoGradGuard no_grad;
   const bool shared = context_->host_shared_buffers();
   const auto device = context_->device();
+  // With the dp ranks on one host, the full buffers of large groups map the ranks' shards, which
+  // then start on whole pages: the ranks agree first, as their layouts must match.
+  const bool could_map = policy_->shards_parameters && !options_.offload_dir && shared && dp.size() > 1 &&
+                         dp.host_local();
+  const auto could = dp.all_gather_bytes(could_map ? "1" : "0");
+  const bool map_shards = std::all_of(could.begin(), could.end(), [](const std::string& s) { return s == "1"; });
   for (size_t g = 0; g < keys.size(); ++g) {
-    ShardGroup group{.layout = FlatParamLayout(members[g], keys[g].dtype, dp.size()),
+    const bool map_group = map_shards && group_bytes[g] / dp.size() >= detail::kMappedShardMinBytes;
+    const int64_t shard_align = map_group ? host_shared_page_bytes() : FlatParamLayout::kAlignBytes;
+    ShardGroup group{.layout = FlatParamLayout(members[g], keys[g].dtype, dp.size(), shard_align),
                      .requires_grad = keys[g].requires_grad,
                      .tp_distinct = keys[g].tp_distinct};
     const auto& layout = group.layout;
@@ -298,7 +318,13 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
                         : detail::flat_buffer(end - begin, keys[g].dtype, device, shared);
       group.shard.copy_(group.full.narrow(0, begin, end - begin));
       detail::write_behind(group.shard);
-      detail::free_storage(group.full);
+      if (map_group) {  // collective; undefined on every rank where one cannot map
+        if (const auto view = host_shared_view_of_members(dp, group.shard); view.defined()) {
+          detail::adopt_storage(group.full, view);
+          group.mapped = true;
+        }
+      }
+      if (!group.mapped) detail::free_storage(group.full);
     }
     const auto name = c10::str("zero_shard_", g);
     register_parameter(name, group.shard, group.requires_grad);
@@ -349,10 +375,15 @@ bool ShardedModule::is_gathered() const {
   return true;
 }
 
+bool ShardedModule::maps_shards() const {
+  return std::any_of(groups_.begin(), groups_.end(), [](const ShardGroup& g) { return g.mapped; });
+}
+
 void ShardedModule::start_gather() {
   ZTRAIN_INTERNAL_ASSERT(gathering_.empty());
   auto& stream = context_->gather_stream();
   const int rank = context_->dp().rank();
+  bool mapped = false;  // a group whose full buffer shows the ranks' shards: wait until all are written
   for (size_t g = 0; g < groups_.size(); ++g) {
     auto& group = groups_[g];
     gathering_versions_[g] = group.shard._version();
@@ -362,7 +393,9 @@ void ShardedModule::start_gather() {
       stream.submit([fence = fences_[g]](Communicator&) { fence->wait(); }, "wait for the optimizer");
       gathering_versions_[g] = -1;  // the version it leaves, known once the gather is waited on
     }
-    if (!policy_->shards_parameters) {
+    if (group.mapped) {
+      mapped = true;
+    } else if (!policy_->shards_parameters) {
       const auto [begin, end] = group.layout.shard_range(rank);
       gathering_.push_back(stream.all_gather(group.full.narrow(0, begin, end - begin), group.full));
     } else {
@@ -371,6 +404,8 @@ void ShardedModule::start_gather() {
       gathering_.push_back(stream.all_gather(group.shard.detach(), group.full));
     }
   }
+  // Each rank's barrier comes after its optimizer's writes (waited for above where still pending).
+  if (mapped) gathering_.push_back(stream.barrier());
 }
 
 void ShardedModule::finish_gather() {
@@ -414,7 +449,9 @@ void ShardedModule::gather() {
 void ShardedModule::release() {
   if (!policy_->shards_parameters) return;
   if (!gathering_.empty()) finish_gather();
-  for (auto& g : groups_) detail::free_storage(g.full);
+  for (auto& g : groups_) {
+    if (!g.mapped) detail::free_storage(g.full);
+  }
   gathered_ = false;
 }
 
@@ -649,7 +686,7 @@ int64_t ShardedModule::parameter_bytes() const {
 int64_t ShardedModule::gathered_bytes() const {
   if (!policy_->shards_parameters) return 0;
   int64_t bytes = 0;
-  for (const auto& g : groups_) bytes += g.full.storage().nbytes();
+  for (const auto& g : groups_) bytes += g.mapped ? 0 : g.full.storage().nbytes();
   return bytes;
 }
 

@@ -224,4 +224,47 @@ TEST(HostShared, MembersWithBuffersOfDifferentSizesGetAnError) {
   c.barrier();  // the communicator is still usable
 }
 
+TEST(HostShared, AViewOfTheMembersPartsMapsThemEndToEnd) {
+  auto& c = ztrain::runtime().world();
+  const int n = c.size(), r = c.rank();
+  const int64_t numel = 2 * ztrain::host_shared_page_bytes() / 4;  // two pages of floats
+  auto part = ztrain::host_shared_empty({numel}).fill_(r);
+  auto view = ztrain::host_shared_view_of_members(c, part);
+  ASSERT_TRUE(view.defined());
+  ASSERT_EQ(view.numel(), n * numel);
+  for (int m = 0; m < n; ++m) EXPECT_TRUE(view.narrow(0, m * numel, numel).eq(m).all().item<bool>()) << "part " << m;
+  c.barrier();  // everyone has looked before anyone writes
+  // A write through the view is the next member's part; a member's own write shows in every view.
+  const int next = (r + 1) % n;
+  view.narrow(0, next * numel + 1, 1).fill_(100 + r);
+  part[numel - 1] = -r;
+  c.barrier();
+  EXPECT_EQ(part[1].item<float>(), 100 + (r + n - 1) % n);
+  for (int m = 0; m < n; ++m) EXPECT_EQ(view[m * numel + numel - 1].item<float>(), -m) << "part " << m;
+  // The view stays valid after the part's own tensor has gone, until the view goes.
+  part = torch::Tensor();
+  c.barrier();
+  EXPECT_EQ(view[r * numel].item<float>(), r);
+  c.barrier();
+}
+
+TEST(HostShared, AViewOfPartsThatAreNotWholePagesIsRefusedEverywhere) {
+  auto& c = ztrain::runtime().world();
+  const int64_t page_floats = ztrain::host_shared_page_bytes() / 4;
+  // The last member's part starts inside a page, the others' on one: none of them gets a view.
+  const bool last = c.rank() == c.size() - 1;
+  auto block = ztrain::host_shared_empty({page_floats + 16});
+  auto part = block.narrow(0, last ? 16 : 0, page_floats);
+  EXPECT_FALSE(ztrain::host_shared_view_of_members(c, part).defined());
+  EXPECT_FALSE(ztrain::host_shared_view_of_members(c, torch::zeros({page_floats})).defined());  // not host-shared
+  if (c.size() > 1) {
+    auto sized = ztrain::host_shared_empty({(c.rank() == 0 ? 2 : 1) * page_floats});
+    const auto message = error_message([&] { ztrain::host_shared_view_of_members(c, sized); });
+    EXPECT_NE(message.find("the members' parts differ (rank 0 " + std::to_string(8 * page_floats) + " bytes of Float"),
+              std::string::npos)
+        << message;
+  }
+  c.barrier();  // the communicator is still usable
+}
+
 }  // namespace host_shared_test

@@ -269,8 +269,8 @@ TEST_P(BlockScenario, LevelThreeFreesGatheredStorageBetweenForwardAndBackwardBut
   torch::manual_seed(3);
   std::vector<int64_t> seen;  // gathered bytes of all blocks, observed inside each block's forward
   BlockList<Layer> layers(4, [&](int64_t) { return Layer(16); }, {.zero_level = level, .use_checkpoint = false, .prefetch_depth = 1});
-  int64_t block_bytes = 0;
-  for (const auto& g : layers[0]->groups()) block_bytes += g.layout.total_numel() * 4;
+  int64_t block_bytes = 0;  // held while gathered; nothing where the full buffers map the shards
+  for (const auto& g : layers[0]->groups()) block_bytes += g.mapped ? 0 : g.layout.total_numel() * 4;
   auto x = torch::randn({2, 4, 16}).requires_grad_(true);
   auto h = x;
   for (auto& b : *layers) {
@@ -358,6 +358,53 @@ TEST_P(BlockScenario, OperatorsWriteGradientsIntoTheFlatBuffer) {
       EXPECT_TRUE(tensors_equal(grads.at(name), grad, 1e-5, 1e-6)) << name << ", pass " << pass;
     }
   }
+}
+
+TEST_P(BlockScenario, ShardedParametersOnOneHostMapTheRanksShards) {
+  const int level = GetParam();
+  auto& dp = runtime().dp();
+  torch::manual_seed(3);
+  Layer plain(192);  // weights of 1.8 MB: shards of 256 KiB and more up to 4 ranks; biases far less
+  torch::manual_seed(3);
+  Block<Layer> block(Layer(192), {.zero_level = level, .use_checkpoint = false});
+  const bool maps = level >= 2 && dp.size() > 1 && dp.host_local() && runtime().context().host_shared_buffers();
+  ASSERT_EQ(block->maps_shards(), maps);
+  block->gather();
+  const auto plain_params = plain->named_parameters();
+  for (const auto& p : block->wrapped()->named_parameters()) {
+    EXPECT_TRUE(tensors_equal(p.value(), plain_params[p.key()])) << p.key();
+  }
+  if (level < 2) return;
+  // Every rank adds rank + 1 to its shards: after a gather, the full buffers show each rank's
+  // addition over its range, mapped or copied alike. (A mapped buffer shows a peer's write at
+  // once: the barriers keep the ranks from writing while others still read.)
+  std::vector<torch::Tensor> before;
+  for (const auto& g : block->groups()) {
+    if (g.mapped) EXPECT_EQ(g.layout.shard_numel() * 4 % host_shared_page_bytes(), 0);
+    before.push_back(g.full.clone());
+  }
+  dp.barrier();
+  for (const auto& g : block->groups()) {
+    torch::NoGradGuard no_grad;
+    g.shard.add_(dp.rank() + 1);
+  }
+  block->shards_changed();
+  block->gather();
+  int64_t copied_bytes = 0;
+  for (size_t i = 0; i < block->groups().size(); ++i) {
+    const auto& g = block->groups()[i];
+    copied_bytes += g.mapped ? 0 : g.full.nbytes();
+    for (int m = 0; m < dp.size(); ++m) {
+      const auto [begin, end] = g.layout.shard_range(m);
+      const auto want = before[i].narrow(0, begin, end - begin) + (m + 1);
+      EXPECT_TRUE(tensors_equal(g.full.narrow(0, begin, end - begin), want, 0, 1e-6))
+          << "group " << i << ", rank " << m << "'s shard";
+    }
+  }
+  EXPECT_EQ(block->gathered_bytes(), copied_bytes);  // the mapped groups hold nothing of their own
+  block->release();
+  for (const auto& g : block->groups()) EXPECT_EQ(g.full.storage().data() != nullptr, g.mapped);
+  dp.barrier();
 }
 
 INSTANTIATE_TEST_SUITE_P(Levels, BlockScenario, ::testing::Values(0, 1, 2, 3),

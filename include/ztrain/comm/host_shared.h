@@ -32,6 +32,24 @@ torch::Tensor host_shared_empty(at::IntArrayRef sizes, const torch::TensorOption
 /// True when `tensor` views memory from host_shared_empty (false for no memory at all).
 bool is_host_shared(const torch::Tensor& tensor);
 
+class Communicator;
+
+/// Collective over `comm`: one tensor that lays the members' `part`s end to end, member 0's
+/// first, each mapped into this process where it lies, not copied. Reading it reads the members'
+/// parts as they are now; writing it writes them. Every member passes a contiguous CPU tensor
+/// from host_shared_empty of the same dtype and size, whose bytes are a whole number of pages
+/// from a page boundary (host_shared_page_bytes()). Returns an undefined tensor on every member
+/// when one cannot take part: the members are on several hosts, a part does not qualify, or a
+/// kernel refuses to map a peer's memory. Throws ztrain::Error on every member when the parts
+/// differ in size or dtype.
+///
+///   auto mine = ztrain::host_shared_empty({n}, torch::kFloat32);   // n · 4 a multiple of the page
+///   auto all = ztrain::host_shared_view_of_members(comm, mine);     // [comm.size() · n]
+torch::Tensor host_shared_view_of_members(Communicator& comm, const torch::Tensor& part);
+
+/// The page size that host_shared_view_of_members needs its parts to be made of.
+int64_t host_shared_page_bytes();
+
 /// The allocator behind host_shared_empty, for code that allocates storage itself. Lives as long
 /// as the process.
 c10::Allocator* host_shared_allocator();

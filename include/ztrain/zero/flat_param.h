@@ -3,7 +3,8 @@
 ///
 /// Parameters of one dtype are placed one after another in a flat buffer, each starting on a
 /// 64-byte boundary; the total is padded so that it splits into `world_size` equal shards that
-/// each start on a 64-byte boundary too (vectorised optimizers read whole cache lines). Rank r
+/// each start on a 64-byte boundary too (vectorised optimizers read whole cache lines), or on a
+/// coarser boundary when asked (whole pages, for shards that peers map). Rank r
 /// owns elements [r·P, (r+1)·P). A parameter may span several shards, and a shard may hold no
 /// element of a small parameter. The table maps every parameter's fully qualified name to its
 /// (offset, shape): the basis of sharded checkpoints and of resharding to another world size.
@@ -47,9 +48,10 @@ class FlatParamLayout {
  public:
   static constexpr int64_t kAlignBytes = 64;
 
-  /// Throws ztrain::Error on a repeated name, a negative dimension or world_size < 1.
+  /// Throws ztrain::Error on a repeated name, a negative dimension, world_size < 1, or a
+  /// `shard_align_bytes` that is not a multiple of kAlignBytes.
   FlatParamLayout(const std::vector<std::pair<std::string, std::vector<int64_t>>>& params,
-                  c10::ScalarType dtype, int world_size);
+                  c10::ScalarType dtype, int world_size, int64_t shard_align_bytes = kAlignBytes);
 
   c10::ScalarType dtype() const { return dtype_; }
   int world_size() const { return world_size_; }

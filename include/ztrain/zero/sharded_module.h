@@ -82,8 +82,12 @@ struct ShardGroup {
   /// What the optimizer updates: this rank's shard (levels 1–3) or the full buffer (level 0).
   torch::Tensor shard;
   /// The full flat buffer the wrapped module's parameters point into. At levels 2 and 3 its
-  /// storage is released while not gathered.
+  /// storage is released while not gathered, unless it is `mapped`.
   torch::Tensor full;
+  /// Level 3 with the dp ranks on one host and host-shared buffers: `full` maps the ranks'
+  /// shards end to end (host_shared_view_of_members) instead of holding gathered copies, for
+  /// the module's life; a gather only waits until every rank's shard is up to date.
+  bool mapped = false;
   /// The wrapped module's parameter tensors, in layout order.
   std::vector<torch::Tensor> params;
   /// Their tensor-parallel splits (from their owners' records), in layout order.
@@ -134,6 +138,8 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   void release();
   /// Whether the full buffers are allocated and hold the current values.
   bool is_gathered() const;
+  /// Whether the full buffers map the dp ranks' shards (ShardGroup::mapped).
+  bool maps_shards() const;
   /// The shards were written where the module cannot see it (an optimizer stepping outside a
   /// backward through the module); the next gather() refreshes the full buffers, and a gather
   /// in flight (a prefetch) is made again once it has landed.
@@ -141,8 +147,9 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   /// Waits until no asynchronous optimizer is writing this module's shards; rethrows its error.
   void wait_for_updates() const;
 
-  /// Bytes this rank holds between steps for parameters, the gathered buffers now allocated,
-  /// and the gradients now allocated (the shards', and those held unreduced by set_gradient_sync).
+  /// Bytes this rank holds between steps for parameters, the gathered buffers now allocated
+  /// (mapped groups hold none: what they show is the ranks' shards), and the gradients now
+  /// allocated (the shards', and those held unreduced by set_gradient_sync).
   int64_t parameter_bytes() const;
   int64_t gathered_bytes() const;
   int64_t gradient_bytes() const;
