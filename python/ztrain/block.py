@@ -136,7 +136,7 @@ class Block(torch.nn.Module):
 
     def maps_shards(self):
         """Whether the full parameters map the dp ranks' shards instead of holding gathered copies
-        (level 3 with every dp rank on this host and host-shared buffers)."""
+        (levels 2-3 with every dp rank on this host and host-shared buffers, for large groups)."""
         return self._native.maps_shards()
 
 

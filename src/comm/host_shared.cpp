@@ -285,8 +285,8 @@ class PeerMappings {
     }
     auto found = peer.blocks.find(range.id);
     if (found == peer.blocks.end()) {
-      auto* base =
-          static_cast<char*>(map_process_file(range.pid, range.block_fd, 0, range.block_bytes, /*writable=*/true, nullptr, error));
+      auto* base = static_cast<char*>(
+          map_process_file(range.pid, range.block_fd, 0, range.block_bytes, /*writable=*/true, nullptr, error));
       if (base == nullptr) return nullptr;
       found = peer.blocks.emplace(range.id, Mapping{base, range.block_bytes, range.slot}).first;
     }

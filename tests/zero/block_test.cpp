@@ -380,7 +380,9 @@ TEST_P(BlockScenario, ShardedParametersOnOneHostMapTheRanksShards) {
   // once: the barriers keep the ranks from writing while others still read.)
   std::vector<torch::Tensor> before;
   for (const auto& g : block->groups()) {
-    if (g.mapped) EXPECT_EQ(g.layout.shard_numel() * 4 % host_shared_page_bytes(), 0);
+    if (g.mapped) {
+      EXPECT_EQ(g.layout.shard_numel() * 4 % host_shared_page_bytes(), 0);
+    }
     before.push_back(g.full.clone());
   }
   dp.barrier();

@@ -84,9 +84,10 @@ struct ShardGroup {
   /// The full flat buffer the wrapped module's parameters point into. At levels 2 and 3 its
   /// storage is released while not gathered, unless it is `mapped`.
   torch::Tensor full;
-  /// Level 3 with the dp ranks on one host and host-shared buffers: `full` maps the ranks'
-  /// shards end to end (host_shared_view_of_members) instead of holding gathered copies, for
-  /// the module's life; a gather only waits until every rank's shard is up to date.
+  /// Levels 2–3 with the dp ranks on one host and host-shared buffers, for a shard of 256 KiB or
+  /// more: `full` maps the ranks' shards end to end (host_shared_view_of_members) instead of
+  /// holding gathered copies, for the module's life; a gather only waits until every rank's
+  /// shard is up to date.
   bool mapped = false;
   /// The wrapped module's parameter tensors, in layout order.
   std::vector<torch::Tensor> params;
