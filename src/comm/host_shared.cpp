@@ -546,13 +546,11 @@ torch::Tensor host_shared_view_of_members(Communicator& comm, const torch::Tenso
       mine.range = *range;
     }
   }
-  const auto said = comm.all_gather_bytes(std::string_view(reinterpret_cast<const char*>(&mine), sizeof mine));
-  std::vector<PartOffer> offers(said.size());
+  const auto offers = comm.all_gather_object(mine);
   bool usable = true, same = true;
-  for (size_t m = 0; m < said.size(); ++m) {
-    std::memcpy(&offers[m], said[m].data(), sizeof(PartOffer));
-    usable = usable && offers[m].usable;
-    same = same && offers[m].bytes == mine.bytes && offers[m].dtype == mine.dtype;
+  for (const auto& offer : offers) {
+    usable = usable && offer.usable;
+    same = same && offer.bytes == mine.bytes && offer.dtype == mine.dtype;
   }
   if (!same) {
     std::ostringstream parts;
@@ -566,8 +564,7 @@ torch::Tensor host_shared_view_of_members(Communicator& comm, const torch::Tenso
   if (!usable) return {};
   std::string error;
   char* base = map_parts_end_to_end(offers, static_cast<size_t>(mine.bytes), error);
-  const auto mapped = comm.all_gather_bytes(base ? "1" : "0");
-  const bool everywhere = std::all_of(mapped.begin(), mapped.end(), [](const std::string& s) { return s == "1"; });
+  const bool everywhere = comm.all_reduce_scalar(int64_t{base != nullptr}, ReduceOp::kMin) == 1;
   const size_t total = static_cast<size_t>(mine.bytes) * offers.size();
   if (!everywhere) {
     if (base) munmap(base, total);

@@ -279,8 +279,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
   // then start on whole pages: the ranks agree first, as their layouts must match.
   const bool could_map = policy_->shards_parameters && !options_.offload_dir && shared && dp.size() > 1 &&
                          dp.host_local();
-  const auto could = dp.all_gather_bytes(could_map ? "1" : "0");
-  const bool map_shards = std::all_of(could.begin(), could.end(), [](const std::string& s) { return s == "1"; });
+  const bool map_shards = dp.all_reduce_scalar(int64_t{could_map}, ReduceOp::kMin) == 1;
   for (size_t g = 0; g < keys.size(); ++g) {
     const bool map_group = map_shards && group_bytes[g] / dp.size() >= detail::kMappedShardMinBytes;
     const int64_t shard_align = map_group ? host_shared_page_bytes() : FlatParamLayout::kAlignBytes;
