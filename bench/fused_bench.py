@@ -1,6 +1,8 @@
 """ztrain.nn's fused CPU kernels against the torch functions they replace, side by side in one
 process: nanoseconds an element (attention: milliseconds a call), forward alone and forward with
-backward, the median of --repeats timings of --calls calls each.
+backward, the median of --repeats timings of --calls calls each. The attention cases run in each
+code of the fused kernels that --simd names, in turn (scalar, avx2, avx512; the widest this CPU
+has by default).
 
     OMP_NUM_THREADS=1 PYTHONPATH=build/python .venv/bin/python bench/fused_bench.py
 """
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ztrain
+from ztrain import _C
 
 
 def per_element(fn, n, calls, repeats):
@@ -45,37 +48,37 @@ def attention(args, batch, heads, kv_heads):
     layout = f"{batch}x{heads}" + (f" on {kv_heads}" if group > 1 else "")
     print(f"{f'causal attention {layout}, ms a call':38} {'ztrain':>8} {'torch':>8} {'ratio':>6} | {'fwd+bwd':>8} "
           f"{'torch':>8} {'ratio':>6} | {'materialised':>12}")
-    for t in args.tokens:
-        for p in (0.0, args.p):
-            if group == 1:
-                qkv = torch.randn(batch, t, 3, heads, 64, requires_grad=True)
-                q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-                inputs = (qkv,)
-            else:
-                q = torch.randn(batch, heads, t, 64, requires_grad=True)
-                k, v = (torch.randn(batch, kv_heads, t, 64, requires_grad=True) for _ in range(2))
-                inputs = (q, k, v)
-            mask = torch.full((t, t), -math.inf).triu(1)
+    for t, p, simd in ((t, p, simd) for t in args.tokens for p in (0.0, args.p) for simd in args.simd):
+        _C._set_fused_simd(simd)
+        if group == 1:
+            qkv = torch.randn(batch, t, 3, heads, 64, requires_grad=True)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            inputs = (qkv,)
+        else:
+            q = torch.randn(batch, heads, t, 64, requires_grad=True)
+            k, v = (torch.randn(batch, kv_heads, t, 64, requires_grad=True) for _ in range(2))
+            inputs = (q, k, v)
+        mask = torch.full((t, t), -math.inf).triu(1)
 
-            def ours():
-                return ztrain.nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                              enable_gqa=group > 1)
+        def ours():
+            return ztrain.nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                          enable_gqa=group > 1)
 
-            def theirs():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=group > 1)
+        def theirs():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=group > 1)
 
-            def materialised():
-                scores = (q @ k.repeat_interleave(group, 1).transpose(-2, -1)) / 8 + mask
-                return ztrain.nn.dropout(scores.softmax(-1), p) @ v.repeat_interleave(group, 1)
+        def materialised():
+            scores = (q @ k.repeat_interleave(group, 1).transpose(-2, -1)) / 8 + mask
+            return ztrain.nn.dropout(scores.softmax(-1), p) @ v.repeat_interleave(group, 1)
 
-            grad = torch.randn(batch, heads, t, 64)
+        grad = torch.randn(batch, heads, t, 64)
 
-            def both(op):
-                return lambda: torch.autograd.grad(op(), inputs, grad)
-            fwd = [per_element(op, 1e6, args.calls, args.repeats) for op in (ours, theirs)]
-            fb = [per_element(both(op), 1e6, args.calls, args.repeats) for op in (ours, theirs, materialised)]
-            print(f"{f'{t} tokens, dropout {p}':38} {fwd[0]:8.1f} {fwd[1]:8.1f} {fwd[1] / fwd[0]:6.2f} | "
-                  f"{fb[0]:8.1f} {fb[1]:8.1f} {fb[1] / fb[0]:6.2f} | {fb[2]:12.1f}")
+        def both(op):
+            return lambda: torch.autograd.grad(op(), inputs, grad)
+        fwd = [per_element(op, 1e6, args.calls, args.repeats) for op in (ours, theirs)]
+        fb = [per_element(both(op), 1e6, args.calls, args.repeats) for op in (ours, theirs, materialised)]
+        print(f"{f'{t} tokens, dropout {p}, {simd}':38} {fwd[0]:8.1f} {fwd[1]:8.1f} {fwd[1] / fwd[0]:6.2f} | "
+              f"{fb[0]:8.1f} {fb[1]:8.1f} {fb[1] / fb[0]:6.2f} | {fb[2]:12.1f}")
 
 
 def main():
@@ -83,6 +86,9 @@ def main():
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability")
+    parser.add_argument("--simd", nargs="*", default=[_C._fused_simd()],
+                        help="the fused kernels' code the attention cases run in turn: scalar, avx2, avx512 "
+                             "(default: the widest this CPU has)")
     parser.add_argument("--tokens", type=int, nargs="*", default=[256, 1024],
                         help="sequence lengths of the causal attention cases")
     args = parser.parse_args()

@@ -1,3 +1,10 @@
+// GCC 12 reports its own AVX-512 intrinsics as possibly uninitialised once inlined (see
+// optim/adam_kernels.cpp); off before the first include, in a file compiled on its own.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 #include <ztrain/cpu_matmul16.h>
 #include <ztrain/error.h>
 #include <ztrain/models/fused.h>
@@ -20,17 +27,23 @@
 // The queries go in blocks of kRows rows, each block of each (batch, head) a task. A block's
 // scores S = Q kᵀ against the keys it may see (all of them, or under the causal mask those up to
 // its last row) are one gemm into a buffer of kRows rows that stays in cache; a pass over each
-// row turns it into probabilities P = softmax(S · scale) (scale 1 / √d unless given) with the
-// positions the mask hides set to 0, and multiplies them by the dropout factors of their
-// elements; a second gemm writes P v into the output, laid out [b, t, h, d] so that the heads'
-// outputs are already the rows the output projection reads. Nothing of [t, t] size is kept:
-// forward saves each row's log-sum-exp (lse = max + log Σ exp), and backward recomputes P from
-// the scores and lse.
+// row turns it into exp(S · scale − the row's max) (scale 1 / √d unless given) with the
+// positions the mask hides set to 0, times the dropout factors of their elements; a second gemm
+// writes that times v into the output, laid out [b, t, h, d] so that the heads' outputs are
+// already the rows the output projection reads, and each output row is divided by its row's sum
+// of exponentials: softmax's normalisation on d elements a row instead of on the row's keys.
+// Nothing of [t, t] size is kept: forward saves each row's log-sum-exp (lse = max + log Σ exp),
+// and backward recomputes P from the scores and lse.
 //
 // Backward, per (batch, head), block by block: S = Q kᵀ again, P = exp(S · scale − lse),
-// dP' = dO vᵀ, and with F the dropout factors and D = rowsum(dO ∘ O) (which equals
-// rowsum(P ∘ F ∘ dP'), the softmax's correction): dv += (P ∘ F)ᵀ dO,
-// dS = P ∘ (dP' ∘ F − D) · scale, dq = dS k, dk += dSᵀ Q. Five gemms a block, two of them
+// dP' = dO vᵀ, and with F the dropout factors and D = rowsum(P ∘ F ∘ dP') (which equals
+// rowsum(dO ∘ O), the softmax's correction): dv += (P ∘ F)ᵀ dO, dS = P ∘ (dP' ∘ F − D) · scale,
+// dq = dS k, dk += dSᵀ Q. D comes from the rows in cache rather than from O, whose rows lie
+// h · d apart in memory: a pass more over the row, but no walk through O. It is
+// rowsum(P ∘ F ∘ dP') / rowsum(P): the recomputed P carry lse's rounding, a factor common to the
+// row (about 1 ± 2e-6 where lse is near 30), which would otherwise stay in dP' − D, small where
+// a row is nearly one-hot (without the division dq was 1.5e-4 off the exact one at scale 2 on the
+// shapes of fused_test.cpp, where libtorch's own float attention is 1.1e-5 off; with it, 0.9e-5). Five gemms a block, two of them
 // accumulating into dk and dv. A task owns a (batch, key head) and runs the query heads that share
 // it (one, without grouped-query heads; key head h / group serves query head h) one after the
 // other, each from its last block to its first: the first head's last block, which sees the most
@@ -53,10 +66,13 @@ namespace ztrain::models {
 
 namespace {
 
+using detail::Simd;
+using detail::simd::exp16;
 using detail::simd::exp8;
 using detail::simd::hmax;
 using detail::simd::hsum;
 using detail::simd::kMinusInf;
+using detail::simd::lanes;
 using detail::simd::load8;
 using detail::simd::load_part;
 using detail::simd::store8;
@@ -65,37 +81,48 @@ using detail::simd::store_part;
 constexpr int64_t kRows = 64;  // query rows a block
 
 // ---- one row ---------------------------------------------------------------------------------
-// Forward: s[0, n) holds a row's scores q · k; they become softmax(s · scale) times the dropout
-// factors f (null: none), s[n, width) zeros; returns the row's lse in units of s · scale.
+// Forward: s[0, n) holds a row's scores q · k; they become exp(s · scale − max) times the dropout
+// factors f (null: none), s[n, width) zeros: the row's probabilities before dividing by their sum,
+// which the row of the output takes instead (a d-long row rather than a width-long one). Returns
+// the row's lse in units of s · scale and 1 / the sum.
 // Backward: s[0, n) holds the scores and dp[0, n) dO · v; s becomes P ∘ F and dp the row of
-// dS, both 0 on [n, width).
+// dS, both 0 on [n, width): one pass makes P and dP' ∘ F and sums D's two sums, a second dS.
 
-float forward_row_scalar(float* s, int64_t n, int64_t width, float scale, const float* f) {
+struct Row {
+  float lse, inverse_sum;
+};
+
+Row forward_row_scalar(float* s, int64_t n, int64_t width, float scale, const float* f) {
   float m = kMinusInf;
   for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
   double sum = 0;
   for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp((s[j] - m) * scale);
-    sum += s[j];
+    const float e = std::exp((s[j] - m) * scale);
+    sum += e;
+    s[j] = f ? e * f[j] : e;
   }
-  const auto inv = static_cast<float>(1 / sum);
-  for (int64_t j = 0; j < n; ++j) s[j] *= f ? inv * f[j] : inv;
   std::fill(s + n, s + width, 0.0f);
-  return m * scale + static_cast<float>(std::log(sum));
+  return {m * scale + static_cast<float>(std::log(sum)), static_cast<float>(1 / sum)};
 }
 
-void backward_row_scalar(float* s, float* dp, int64_t n, int64_t width, float scale, float lse, float d,
-                         const float* f) {
+void backward_row_scalar(float* s, float* dp, int64_t n, int64_t width, float scale, float lse, const float* f) {
+  float weighted = 0, sum = 0;
   for (int64_t j = 0; j < n; ++j) {
-    const float prob = std::exp(s[j] * scale - lse), factor = f ? f[j] : 1.0f;
-    s[j] = prob * factor;
-    dp[j] = prob * (dp[j] * factor - d) * scale;
+    s[j] = std::exp(s[j] * scale - lse);
+    if (f) dp[j] *= f[j];
+    weighted += s[j] * dp[j];
+    sum += s[j];
+  }
+  const float d = weighted / sum;
+  for (int64_t j = 0; j < n; ++j) {
+    dp[j] = s[j] * (dp[j] - d) * scale;
+    if (f) s[j] *= f[j];
   }
   std::fill(s + n, s + width, 0.0f);
   std::fill(dp + n, dp + width, 0.0f);
 }
 
-ZTRAIN_AVX2 float forward_row_avx2(float* s, int64_t n, int64_t width, float scale, const float* f) {
+ZTRAIN_AVX2 Row forward_row_avx2(float* s, int64_t n, int64_t width, float scale, const float* f) {
   const int64_t body = n / 8 * 8;
   __m256 vm = _mm256_set1_ps(kMinusInf);
   for (int64_t j = 0; j < body; j += 8) vm = _mm256_max_ps(vm, load8(s + j));
@@ -105,51 +132,128 @@ ZTRAIN_AVX2 float forward_row_avx2(float* s, int64_t n, int64_t width, float sca
   __m256 sum = _mm256_setzero_ps();
   for (int64_t j = 0; j < body; j += 8) {
     const __m256 e = exp8(_mm256_fmadd_ps(load8(s + j), vs, shift));
-    store8(s + j, e);
+    store8(s + j, f ? _mm256_mul_ps(e, load8(f + j)) : e);
     sum = _mm256_add_ps(sum, e);
   }
   if (body < n) {  // padding of −inf adds exp(−inf) = 0
     const __m256 e = exp8(_mm256_fmadd_ps(load_part(s + body, n - body, kMinusInf), vs, shift));
-    store_part(s + body, n - body, e);
+    store_part(s + body, n - body, f ? _mm256_mul_ps(e, load_part(f + body, n - body, 0.0f)) : e);
     sum = _mm256_add_ps(sum, e);
   }
-  const float total = hsum(sum);
-  const __m256 inv = _mm256_set1_ps(1.0f / total);
-  for (int64_t j = 0; j < body; j += 8) {
-    const __m256 w = f ? _mm256_mul_ps(inv, load8(f + j)) : inv;
-    store8(s + j, _mm256_mul_ps(load8(s + j), w));
-  }
-  for (int64_t j = body; j < n; ++j) s[j] *= f ? (1.0f / total) * f[j] : 1.0f / total;
   std::fill(s + n, s + width, 0.0f);
-  return m * scale + std::log(total);
+  const float total = hsum(sum);
+  return {m * scale + std::log(total), 1.0f / total};
 }
 
-// Elements [j, j + count) of a backward row, count ≤ 8.
-ZTRAIN_AVX2 inline void backward_step(float* s, float* dp, int64_t j, int64_t count, __m256 scale, __m256 shift,
-                                      __m256 d, const float* f) {
+// Elements [j, j + count) of a backward row, count ≤ 8. The first pass stores P and dP' ∘ F
+// and adds P ∘ dP' ∘ F to `weighted` and P to `sum`; the second makes dS and P ∘ F.
+ZTRAIN_AVX2 inline void backward_first(float* s, float* dp, int64_t j, int64_t count, __m256 scale, __m256 shift,
+                                       const float* f, __m256& weighted, __m256& sum) {
   const bool whole = count == 8;
   const __m256 x = whole ? load8(s + j) : load_part(s + j, count, kMinusInf);
-  const __m256 g = whole ? load8(dp + j) : load_part(dp + j, count, 0.0f);
-  const __m256 factor = !f ? _mm256_set1_ps(1.0f) : whole ? load8(f + j) : load_part(f + j, count, 0.0f);
-  const __m256 prob = exp8(_mm256_fmadd_ps(x, scale, shift));
-  const __m256 ds = _mm256_mul_ps(_mm256_mul_ps(prob, _mm256_fmsub_ps(g, factor, d)), scale);
+  __m256 g = whole ? load8(dp + j) : load_part(dp + j, count, 0.0f);
+  if (f) g = _mm256_mul_ps(g, whole ? load8(f + j) : load_part(f + j, count, 0.0f));
+  const __m256 prob = exp8(_mm256_fmadd_ps(x, scale, shift));  // 0 in the padding
+  weighted = _mm256_fmadd_ps(prob, g, weighted);
+  sum = _mm256_add_ps(sum, prob);
   if (whole) {
-    store8(s + j, _mm256_mul_ps(prob, factor));
-    store8(dp + j, ds);
+    store8(s + j, prob);
+    store8(dp + j, g);
   } else {
-    store_part(s + j, count, _mm256_mul_ps(prob, factor));
-    store_part(dp + j, count, ds);
+    store_part(s + j, count, prob);
+    store_part(dp + j, count, g);
   }
 }
 
-ZTRAIN_AVX2 void backward_row_avx2(float* s, float* dp, int64_t n, int64_t width, float scale, float lse, float d,
+ZTRAIN_AVX2 inline void backward_second(float* s, float* dp, int64_t j, int64_t count, __m256 scale, __m256 d,
+                                        const float* f) {
+  const bool whole = count == 8;
+  const __m256 prob = whole ? load8(s + j) : load_part(s + j, count, 0.0f);
+  const __m256 g = whole ? load8(dp + j) : load_part(dp + j, count, 0.0f);
+  const __m256 ds = _mm256_mul_ps(_mm256_mul_ps(prob, _mm256_sub_ps(g, d)), scale);
+  const __m256 dropped = f ? _mm256_mul_ps(prob, whole ? load8(f + j) : load_part(f + j, count, 0.0f)) : prob;
+  if (whole) {
+    store8(dp + j, ds);
+    store8(s + j, dropped);
+  } else {
+    store_part(dp + j, count, ds);
+    store_part(s + j, count, dropped);
+  }
+}
+
+ZTRAIN_AVX2 void backward_row_avx2(float* s, float* dp, int64_t n, int64_t width, float scale, float lse,
                                    const float* f) {
-  const __m256 vs = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-lse), vd = _mm256_set1_ps(d);
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) backward_step(s, dp, j, 8, vs, shift, vd, f);
-  if (j < n) backward_step(s, dp, j, n - j, vs, shift, vd, f);
+  const __m256 vs = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-lse);
+  __m256 weighted = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+  const int64_t body = n / 8 * 8;
+  for (int64_t j = 0; j < body; j += 8) backward_first(s, dp, j, 8, vs, shift, f, weighted, sum);
+  if (body < n) backward_first(s, dp, body, n - body, vs, shift, f, weighted, sum);
+  const __m256 d = _mm256_set1_ps(hsum(weighted) / hsum(sum));
+  for (int64_t j = 0; j < body; j += 8) backward_second(s, dp, j, 8, vs, d, f);
+  if (body < n) backward_second(s, dp, body, n - body, vs, d, f);
   std::fill(s + n, s + width, 0.0f);
   std::fill(dp + n, dp + width, 0.0f);
+}
+
+// The same in AVX-512, 16 elements a step, a row's tail under a mask.
+ZTRAIN_AVX512 Row forward_row_avx512(float* s, int64_t n, int64_t width, float scale, const float* f) {
+  __m512 vm = _mm512_set1_ps(kMinusInf);
+  for (int64_t j = 0; j < n; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(vm, lanes(n - j), s + j));
+  const float m = _mm512_reduce_max_ps(vm);
+  const __m512 vs = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-m * scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = lanes(n - j);
+    const __m512 e = exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + j), vs, shift));
+    _mm512_mask_storeu_ps(s + j, k, f ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(k, f + j)) : e);
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  std::fill(s + n, s + width, 0.0f);
+  const float total = _mm512_reduce_add_ps(sum);
+  return {m * scale + std::log(total), 1.0f / total};
+}
+
+ZTRAIN_AVX512 void backward_row_avx512(float* s, float* dp, int64_t n, int64_t width, float scale, float lse,
+                                       const float* f) {
+  const __m512 vs = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-lse);
+  __m512 weighted = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = lanes(n - j);
+    const __m512 prob = exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + j), vs, shift));
+    __m512 g = _mm512_maskz_loadu_ps(k, dp + j);
+    if (f) g = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(k, f + j));
+    weighted = _mm512_mask3_fmadd_ps(prob, g, weighted, k);
+    sum = _mm512_mask_add_ps(sum, k, sum, prob);
+    _mm512_mask_storeu_ps(s + j, k, prob);
+    _mm512_mask_storeu_ps(dp + j, k, g);
+  }
+  const __m512 d = _mm512_set1_ps(_mm512_reduce_add_ps(weighted) / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = lanes(n - j);
+    const __m512 prob = _mm512_maskz_loadu_ps(k, s + j);
+    const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(prob, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dp + j), d)), vs);
+    _mm512_mask_storeu_ps(dp + j, k, ds);
+    if (f) _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(prob, _mm512_maskz_loadu_ps(k, f + j)));
+  }
+  std::fill(s + n, s + width, 0.0f);
+  std::fill(dp + n, dp + width, 0.0f);
+}
+
+// The rows' code that `simd` picks.
+Row forward_row(Simd simd, float* s, int64_t n, int64_t width, float scale, const float* f) {
+  return simd == Simd::kAvx512 ? forward_row_avx512(s, n, width, scale, f)
+         : simd == Simd::kAvx2 ? forward_row_avx2(s, n, width, scale, f)
+                               : forward_row_scalar(s, n, width, scale, f);
+}
+
+void backward_row(Simd simd, float* s, float* dp, int64_t n, int64_t width, float scale, float lse, const float* f) {
+  if (simd == Simd::kAvx512) {
+    backward_row_avx512(s, dp, n, width, scale, lse, f);
+  } else if (simd == Simd::kAvx2) {
+    backward_row_avx2(s, dp, n, width, scale, lse, f);
+  } else {
+    backward_row_scalar(s, dp, n, width, scale, lse, f);
+  }
 }
 
 // ---- blocks ----------------------------------------------------------------------------------
@@ -187,7 +291,7 @@ struct Problem {
   bool causal;
   double p;       // dropout
   uint64_t seed;  // of its mask
-  bool simd;
+  Simd simd;
 
   int64_t keys_seen(int64_t row) const { return causal ? std::min(row + 1, tk) : tk; }
   // The key and value head (b · heads / group + h / group) of query head bh (b · heads + h).
@@ -208,19 +312,25 @@ void forward_block(const Problem& pr, int64_t bh, int64_t i0, const Heads& out, 
   const int64_t rows = std::min(kRows, pr.tq - i0), width = pr.keys_seen(i0 + rows - 1);
   auto s = matrix(buffer, rows, width);
   at::cpu::mm_out(s, pr.q.rows(bh, i0, rows), pr.k.rows_t(pr.kv(bh), 0, width));
+  float inverse_sum[kRows];
   for (int64_t i = i0; i < i0 + rows; ++i) {
     const int64_t n = pr.keys_seen(i);
     const float* factors = pr.factors(bh, i, n, f);
     float* row = buffer + (i - i0) * width;
-    lse[i] = pr.simd ? forward_row_avx2(row, n, width, pr.scale, factors)
-                     : forward_row_scalar(row, n, width, pr.scale, factors);
+    const Row r = forward_row(pr.simd, row, n, width, pr.scale, factors);
+    lse[i] = r.lse;
+    inverse_sum[i - i0] = r.inverse_sum;
   }
   auto o = out.rows(bh, i0, rows);
   at::cpu::mm_out(o, s, pr.v.rows(pr.kv(bh), 0, width));
+  for (int64_t i = i0; i < i0 + rows; ++i) {
+    float* y = out.row(bh, i);
+    for (int64_t c = 0; c < out.d; ++c) y[c] *= inverse_sum[i - i0];
+  }
 }
 
 struct Gradients {
-  Heads grad_out, out, dq, dk, dv;
+  Heads grad_out, dq, dk, dv;
 };
 
 // Query head bh's share of dq, dk and dv; `first`: the first of its key head's query heads, which
@@ -235,17 +345,10 @@ void backward_head(const Problem& pr, int64_t bh, bool first, const Gradients& g
     at::cpu::mm_out(s, q, pr.k.rows_t(kv, 0, width));
     at::cpu::mm_out(dp, go, pr.v.rows_t(kv, 0, width));
     for (int64_t i = i0; i < i0 + rows; ++i) {
-      const float *dyi = g.grad_out.row(bh, i), *yi = g.out.row(bh, i);
-      float d = 0;  // D = dO · O, the softmax's correction
-      for (int64_t c = 0; c < g.out.d; ++c) d += dyi[c] * yi[c];
       const int64_t n = pr.keys_seen(i);
       const float* factors = pr.factors(bh, i, n, f);
       float *srow = s_buffer + (i - i0) * width, *dprow = dp_buffer + (i - i0) * width;
-      if (pr.simd) {
-        backward_row_avx2(srow, dprow, n, width, pr.scale, lse[i], d, factors);
-      } else {
-        backward_row_scalar(srow, dprow, n, width, pr.scale, lse[i], d, factors);
-      }
+      backward_row(pr.simd, srow, dprow, n, width, pr.scale, lse[i], factors);
     }
     auto dq = g.dq.rows(bh, i0, rows);
     at::cpu::mm_out(dq, dp, pr.k.rows(kv, 0, width));
@@ -329,10 +432,10 @@ std::pair<torch::Tensor, torch::Tensor> fused_forward(const Problem& pr, const t
 }
 
 // The kernel's backward into dq, dk and dv ([b, h, t, d] views with unit stride along d).
-void fused_backward(const Problem& pr, const torch::Tensor& grad, const torch::Tensor& y, const torch::Tensor& lse,
-                    const torch::Tensor& dq, const torch::Tensor& dk, const torch::Tensor& dv) {
+void fused_backward(const Problem& pr, const torch::Tensor& grad, const torch::Tensor& lse, const torch::Tensor& dq,
+                    const torch::Tensor& dk, const torch::Tensor& dv) {
   const auto grad_out = rows_contiguous(grad);
-  const Gradients g{Heads::of(grad_out), Heads::of(y), Heads::of(dq), Heads::of(dk), Heads::of(dv)};
+  const Gradients g{Heads::of(grad_out), Heads::of(dq), Heads::of(dk), Heads::of(dv)};
   // a task per key head, its query heads in turn: only it writes that head's dk and dv
   at::parallel_for(0, pr.batch * pr.heads / pr.group, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kRows * pr.tk), dp(kRows * pr.tk), f(pr.tk);
@@ -346,13 +449,13 @@ void fused_backward(const Problem& pr, const torch::Tensor& grad, const torch::T
 }
 
 // Both functions' forward: the kernel on q, k and v, saving `inputs` (what backward finds q, k and
-// v in), y, lse and the settings.
+// v in), lse and the settings.
 torch::Tensor forward_saving(torch::autograd::AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                              const torch::Tensor& v, double p, bool causal, double scale,
                              std::vector<torch::Tensor> inputs) {
   const Problem pr = problem_of(q, k, v, p, p > 0 ? detail::dropout_seed() : 0, causal, scale);
   auto [y, lse] = fused_forward(pr, q, v);
-  inputs.insert(inputs.end(), {y, lse});
+  inputs.push_back(lse);
   ctx->save_for_backward(inputs);
   ctx->saved_data["seed"] = static_cast<int64_t>(pr.seed);
   ctx->saved_data["p"] = p;
@@ -361,7 +464,7 @@ torch::Tensor forward_saving(torch::autograd::AutogradContext* ctx, const torch:
   return y;
 }
 
-// Both functions' backward: dq, dk and dv of q, k and v (y and lse the last two of `saved`),
+// Both functions' backward: dq, dk and dv of q, k and v (lse the last of `saved`),
 // written into the [b, h, t, d] views that `destinations` makes, or in libtorch's operators when
 // a graph is being built.
 template <class Destinations>
@@ -375,7 +478,7 @@ std::vector<torch::Tensor> backward_of(torch::autograd::AutogradContext* ctx,
                                 ctx->saved_data["causal"].toBool(), ctx->saved_data["scale"].toDouble());
   if (torch::GradMode::is_enabled()) return backward_differentiable(pr, q, k, v, grad);
   std::vector<torch::Tensor> d = destinations(pr);
-  fused_backward(pr, grad, saved[saved.size() - 2], saved.back(), d[0], d[1], d[2]);
+  fused_backward(pr, grad, saved.back(), d[0], d[1], d[2]);
   return d;
 }
 

@@ -122,7 +122,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     }
     auto lse = torch::empty({n}, logits.options().dtype(torch::kFloat));
     float* out = lse.data_ptr<float>();
-    const bool simd = detail::fused_simd();
+    const bool simd = detail::fused_simd() != detail::Simd::kScalar;
     double total = 0;
     detail::simd::for_type(logits.scalar_type(), [&]<class T>(T) {
       const T* l = logits.data_ptr<T>();
@@ -161,7 +161,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     auto grad = torch::empty_like(logits);
     const float* row_lse = lse.data_ptr<float>();
     const int64_t* t = targets.data_ptr<int64_t>();
-    const bool simd = detail::fused_simd();
+    const bool simd = detail::fused_simd() != detail::Simd::kScalar;
     detail::simd::for_type(logits.scalar_type(), [&]<class T>(T) {
       const T* l = logits.data_ptr<T>();
       T* out = grad.data_ptr<T>();

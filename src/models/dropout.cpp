@@ -186,7 +186,7 @@ torch::Tensor apply_mask(const torch::Tensor& input, uint64_t seed, double p) {
   auto y = torch::empty_like(x);
   const Mask m = mask_of(seed, p);
   const int64_t n = x.numel();
-  const bool simd = detail::fused_simd();
+  const bool simd = detail::fused_simd() != detail::Simd::kScalar;
   detail::simd::for_type(x.scalar_type(), [&]<class T>(T) {
     const T* px = x.data_ptr<T>();
     T* py = y.data_ptr<T>();
@@ -211,7 +211,7 @@ uint64_t detail::dropout_seed() {
 
 void detail::dropout_factors(uint64_t seed, double p, int64_t first, int64_t n, float* out) {
   const Mask m = mask_of(seed, p);
-  const auto block_factors = fused_simd() ? block_factors_avx2 : block_factors_scalar;
+  const auto block_factors = fused_simd() != Simd::kScalar ? block_factors_avx2 : block_factors_scalar;
   for (int64_t e = first; e < first + n;) {
     const int64_t b = e / kBlock, from = e - b * kBlock, to = std::min(kBlock, first + n - b * kBlock);
     if (from == 0 && to == kBlock) {

@@ -1,4 +1,4 @@
-// The switch between the fused kernels' AVX2 and scalar code (gelu.cpp, cross_entropy.cpp).
+// Which code the fused kernels run: scalar, AVX2 or AVX-512 (simd.h).
 
 #include <ztrain/error.h>
 #include <ztrain/models/fused.h>
@@ -10,14 +10,22 @@
 namespace ztrain::models::detail {
 
 namespace {
-std::atomic<bool> g_simd{simd::avx2_supported()};
+Simd widest() {
+  return simd::avx512_supported() ? Simd::kAvx512 : simd::avx2_supported() ? Simd::kAvx2 : Simd::kScalar;
+}
+
+std::atomic<Simd> g_simd{widest()};
 }  // namespace
 
-bool fused_simd() { return g_simd.load(std::memory_order_relaxed); }
+Simd fused_simd() { return g_simd.load(std::memory_order_relaxed); }
 
-void set_fused_simd(bool on) {
-  ZTRAIN_CHECK(!on || simd::avx2_supported(), "the fused kernels' AVX2 code needs a CPU with AVX2 and FMA");
-  g_simd.store(on);
+bool cpu_runs(Simd simd) { return simd <= widest(); }
+
+void set_fused_simd(Simd simd) {
+  ZTRAIN_CHECK(cpu_runs(simd), "the fused kernels' ",
+               simd == Simd::kAvx512 ? "AVX-512 code needs a CPU with AVX-512F, AVX-512DQ, AVX2 and FMA"
+                                     : "AVX2 code needs a CPU with AVX2 and FMA");
+  g_simd.store(simd);
 }
 
 }  // namespace ztrain::models::detail

@@ -108,7 +108,7 @@ torch::Tensor fused_forward(const torch::Tensor& input) {
   RECORD_FUNCTION("ztrain::gelu_tanh", std::vector<c10::IValue>({input}));
   const auto x = input.contiguous();
   auto y = torch::empty_like(x);
-  const bool simd = detail::fused_simd();
+  const bool simd = detail::fused_simd() != detail::Simd::kScalar;
   detail::simd::for_type(x.scalar_type(), [&]<class T>(T) {
     const T* px = x.data_ptr<T>();
     T* py = y.data_ptr<T>();
@@ -127,7 +127,7 @@ torch::Tensor fused_backward(const torch::Tensor& grad, const torch::Tensor& inp
   RECORD_FUNCTION("ztrain::gelu_tanh_backward", std::vector<c10::IValue>({grad, input}));
   const auto x = input.contiguous(), dy = grad.contiguous().to(x.scalar_type());
   auto dx = torch::empty_like(x);
-  const bool simd = detail::fused_simd();
+  const bool simd = detail::fused_simd() != detail::Simd::kScalar;
   detail::simd::for_type(x.scalar_type(), [&]<class T>(T) {
     const T *px = x.data_ptr<T>(), *pg = dy.data_ptr<T>();
     T* pdx = dx.data_ptr<T>();

@@ -1,10 +1,11 @@
 #pragma once
 // Pieces shared by the fused kernels of this area (gelu.cpp, cross_entropy.cpp, dropout.cpp,
 // attention.cpp): which tensors they take, and in AVX2 loads and stores of 8 float or bf16
-// elements as floats, a register's largest element and sum, and exp.
-// Each AVX2 function carries its instruction set in a target attribute (the library is built for
-// baseline x86-64); callers run them only where models::detail::fused_simd() says so. Internal to
-// ztrain.
+// elements as floats, a register's largest element and sum, and exp; in AVX-512, exp of 16 floats
+// and the mask of a row's tail.
+// Each AVX2 or AVX-512 function carries its instruction set in a target attribute (the library is
+// built for baseline x86-64); callers run them only where models::detail::fused_simd() says so.
+// Internal to ztrain.
 
 #include "../bf16_avx2.h"
 
@@ -18,6 +19,7 @@
 #include <limits>
 
 #define ZTRAIN_AVX2 __attribute__((target("avx2,fma")))
+#define ZTRAIN_AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
 
 namespace ztrain::models::detail::simd {
 
@@ -44,6 +46,11 @@ constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 /// Whether this CPU runs the AVX2 + FMA code below.
 inline bool avx2_supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+/// Whether it runs the AVX-512 code too.
+inline bool avx512_supported() {
+  return avx2_supported() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}
 
 ZTRAIN_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -118,5 +125,28 @@ ZTRAIN_AVX2 inline __m256 exp8(__m256 z) {
   e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(z, lo, _CMP_LT_OQ));
   return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(z, hi, _CMP_GT_OQ));
 }
+
+/// exp8 on 16 floats, the same operations in the same order: the same results.
+ZTRAIN_AVX512 inline __m512 exp16(__m512 z) {
+  const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(87.0f);
+  const __m512 c = _mm512_min_ps(hi, _mm512_max_ps(lo, z));  // NaN passes through
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 e = _mm512_scalef_ps(p, n);  // p · 2^n, exact for |c| ≤ 87
+  const __m512 zero_below = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, lo, _CMP_LT_OQ), e, _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, hi, _CMP_GT_OQ), zero_below, _mm512_set1_ps(INFINITY));
+}
+
+/// The lanes of elements [0, n) of 16 (all 16 for n ≥ 16).
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
 }  // namespace ztrain::models::detail::simd

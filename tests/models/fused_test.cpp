@@ -1,6 +1,6 @@
 // The fused kernels against libtorch: GELU (tanh) against torch::gelu(x, "tanh") and
 // cross-entropy against torch::nn::functional::cross_entropy — values, gradients (first and
-// second order), bf16, the scalar and AVX2 code, tails, and the fallbacks; dropout against
+// second order), bf16, the scalar, AVX2 and AVX-512 code, tails, and the fallbacks; dropout against
 // Philox4x32-10's published answers, the mask its header describes, and the statistics of a
 // Bernoulli mask; attention against libtorch's in double and the materialised attention with the
 // fused dropout.
@@ -44,13 +44,14 @@ double max_error(const torch::Tensor& got, const torch::Tensor& want) {
   return ((g - w).abs() / w.abs().clamp_min(1)).max().item<double>();
 }
 
-// Runs `fn` with the scalar code, then with the AVX2 code where this CPU has it.
+// Runs `fn` with the scalar code, then with the AVX2 and the AVX-512 code where this CPU has them.
 template <class Fn>
 void in_every_kernel(Fn&& fn) {
-  const bool before = models::detail::fused_simd();
-  for (bool simd : {false, true}) {
-    if (simd && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) continue;
-    SCOPED_TRACE(simd ? "avx2" : "scalar");
+  using models::detail::Simd;
+  const Simd before = models::detail::fused_simd();
+  for (Simd simd : {Simd::kScalar, Simd::kAvx2, Simd::kAvx512}) {
+    if (!models::detail::cpu_runs(simd)) continue;
+    SCOPED_TRACE(simd == Simd::kScalar ? "scalar" : simd == Simd::kAvx2 ? "avx2" : "avx512");
     models::detail::set_fused_simd(simd);
     fn();
   }
@@ -413,18 +414,20 @@ TEST(Attention, MatchesTheExactAttentionInEveryKernel) {
   struct Case {
     int64_t tq, tk;
     bool causal;
+    int64_t dv = 8;  // the value heads' size, which the rows of D = dO · O have
   };
   in_every_kernel([] {
     // (up to 64 keys without dropout, libtorch's kernel runs; the other cases are the fused one's)
     for (auto c : {Case{1, 1, true}, Case{5, 5, true}, Case{64, 64, true}, Case{65, 65, true}, Case{130, 130, true},
                    Case{130, 130, false}, Case{1, 130, false}, Case{7, 130, false}, Case{5, 70, true},
-                   Case{130, 70, true}, Case{20, 130, true}}) {
-      SCOPED_TRACE(std::to_string(c.tq) + " × " + std::to_string(c.tk) + (c.causal ? ", causal" : ""));
+                   Case{130, 70, true}, Case{20, 130, true}, Case{130, 130, true, 64}, Case{70, 70, false, 43}}) {
+      SCOPED_TRACE(std::to_string(c.tq) + " × " + std::to_string(c.tk) + (c.causal ? ", causal" : "") + ", d_v " +
+                   std::to_string(c.dv));
       torch::manual_seed(11);
       const auto q = torch::randn({2, 3, c.tq, 16}).requires_grad_();
       const auto k = torch::randn({2, 3, c.tk, 16}).requires_grad_();
-      const auto v = torch::randn({2, 3, c.tk, 8}).requires_grad_();
-      const auto dy = torch::randn({2, 3, c.tq, 8});
+      const auto v = torch::randn({2, 3, c.tk, c.dv}).requires_grad_();
+      const auto dy = torch::randn({2, 3, c.tq, c.dv});
       const auto got = with_grads(models::attention(q, k, v, 0.0, c.causal), {q, k, v}, dy);
       // The exact values: libtorch's attention in double, which also fixes where the causal mask
       // falls when t_q ≠ t_k (query i sees keys 0 … i).
@@ -592,7 +595,9 @@ TEST(Attention, PackedIsAttentionOfTheViews) {
         const auto want = with_grads(models::attention(views[0], views[1], views[2], p, true), {leaf}, dy);
         EXPECT_TRUE(torch::equal(got[0], want[0]));
         EXPECT_TRUE(torch::equal(got[1], want[1]));
-        if (t > 64 || p > 0) EXPECT_TRUE(got[1].is_contiguous());  // the kernel's, not libtorch's via unbind
+        if (t > 64 || p > 0) {
+          EXPECT_TRUE(got[1].is_contiguous());  // the kernel's, not libtorch's via unbind
+        }
       }
     }
   }

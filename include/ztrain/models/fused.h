@@ -82,11 +82,15 @@ torch::Tensor packed_attention(const torch::Tensor& qkv, double dropout_p, bool 
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets, int64_t ignore_index = -100);
 
 namespace detail {
-/// Whether the fused kernels run their AVX2 code (the default where the CPU has AVX2 and FMA) or
-/// the scalar code that CPUs without run; process-wide. The setter is for tests, and asking for
-/// AVX2 on a CPU without it is an error.
-bool fused_simd();
-void set_fused_simd(bool on);
+/// The code the fused kernels run, process-wide: the scalar code any CPU runs, their AVX2 + FMA
+/// code, or AVX-512 (attention's row passes; the other kernels run their AVX2 code there). The
+/// default is the widest this CPU has. The setter is for tests and benchmarks; asking for code the
+/// CPU cannot run is an error.
+enum class Simd { kScalar, kAvx2, kAvx512 };
+Simd fused_simd();
+void set_fused_simd(Simd simd);
+/// Whether this CPU runs `simd`.
+bool cpu_runs(Simd simd);
 
 /// Philox4x32-10 on one counter under one key, as dropout's masks use it (dropout.cpp).
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
