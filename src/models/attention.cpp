@@ -61,6 +61,9 @@
 // kRows / 2 of each row's scores more than it needs: 1 + kRows / t_k times the work of the
 // triangle (libtorch 2.11's CPU flash attention takes query blocks of 256 rows at t_q ≥ 768, of
 // 64 from 192, of 32 below).
+//
+// The passes over a row run in the code models::detail::fused_simd() names: AVX-512 (16 floats a
+// step, the tail under a mask), AVX2 (8) or scalar; exp16 is exp8's arithmetic on 16 lanes.
 
 namespace ztrain::models {
 
