@@ -43,11 +43,12 @@
 // rowsum(P ∘ F ∘ dP') / rowsum(P): the recomputed P carry lse's rounding, a factor common to the
 // row (about 1 ± 2e-6 where lse is near 30), which would otherwise stay in dP' − D, small where
 // a row is nearly one-hot (without the division dq was 1.5e-4 off the exact one at scale 2 on the
-// shapes of fused_test.cpp, where libtorch's own float attention is 1.1e-5 off; with it, 0.9e-5). Five gemms a block, two of them
-// accumulating into dk and dv. A task owns a (batch, key head) and runs the query heads that share
-// it (one, without grouped-query heads; key head h / group serves query head h) one after the
-// other, each from its last block to its first: the first head's last block, which sees the most
-// keys, writes dk and dv, and everything after adds.
+// shapes of fused_test.cpp, where libtorch's own float attention is 1.1e-5 off; with it, 0.9e-5).
+//
+// Five gemms a block, two of them accumulating into dk and dv. A task owns a (batch, key head)
+// and runs the query heads that share it (one, without grouped-query heads; key head h / group
+// serves query head h) one after the other, each from its last block to its first: the first
+// head's last block, which sees the most keys, writes dk and dv, and everything after adds.
 //
 // packed_attention runs the same kernel on views of one [b, t, 3, h, d] tensor and writes dq, dk
 // and dv into one tensor of that layout.

@@ -126,7 +126,7 @@ ZTRAIN_AVX2 inline __m256 exp8(__m256 z) {
   return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(z, hi, _CMP_GT_OQ));
 }
 
-/// exp8 on 16 floats, the same operations in the same order: the same results.
+/// exp8 on 16 floats: its operations, in its order.
 ZTRAIN_AVX512 inline __m512 exp16(__m512 z) {
   const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(87.0f);
   const __m512 c = _mm512_min_ps(hi, _mm512_max_ps(lo, z));  // NaN passes through

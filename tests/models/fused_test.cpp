@@ -414,7 +414,7 @@ TEST(Attention, MatchesTheExactAttentionInEveryKernel) {
   struct Case {
     int64_t tq, tk;
     bool causal;
-    int64_t dv = 8;  // the value heads' size, which the rows of D = dO · O have
+    int64_t dv = 8;  // the value heads' size: the output rows' length, which forward divides by the sums
   };
   in_every_kernel([] {
     // (up to 64 keys without dropout, libtorch's kernel runs; the other cases are the fused one's)
@@ -512,6 +512,38 @@ TEST(Attention, ScaleAndSharedKeyHeadsMatchTheExactAttention) {
           at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, c.causal, c.scale, true), in,
           dy.to(torch::kDouble));
       for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(max_error(got[i], exact[i]), 2e-5) << kOutputs[i];
+    }
+  });
+}
+
+TEST(Attention, SharpRowsKeepGradientsAsExactAsLibtorchs) {
+  // Large scales make rows nearly one-hot, where dS = P ∘ (dP' − D) · scale is a small difference:
+  // D has to carry the rounding the recomputed P share (rowsum(P ∘ dP') / rowsum(P)); without the
+  // division dq is more than 10 times further from the exact one at scale 2 than libtorch's float
+  // attention.
+  in_every_kernel([] {
+    for (double scale : {2.0, 4.0, 8.0}) {
+      std::vector<double> ours(3), libtorchs(3);
+      for (int seed = 0; seed < 8; ++seed) {
+        torch::manual_seed(100 + seed);
+        const auto q = torch::randn({2, 4, 65, 16}).requires_grad_();
+        const auto k = torch::randn({2, 4, 65, 16}).requires_grad_();
+        const auto v = torch::randn({2, 4, 65, 8}).requires_grad_();
+        const auto dy = torch::randn({2, 4, 65, 8});
+        const auto got = with_grads(models::attention(q, k, v, 0.0, true, scale), {q, k, v}, dy);
+        const auto theirs = with_grads(at::scaled_dot_product_attention(q, k, v, {}, 0.0, true, scale), {q, k, v}, dy);
+        std::vector<torch::Tensor> in;
+        for (const auto& x : {q, k, v}) in.push_back(x.detach().to(torch::kDouble).requires_grad_());
+        const auto exact = with_grads(at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true, scale), in,
+                                      dy.to(torch::kDouble));
+        for (size_t i = 0; i < 3; ++i) {
+          ours[i] = std::max(ours[i], max_error(got[i + 1], exact[i + 1]));
+          libtorchs[i] = std::max(libtorchs[i], max_error(theirs[i + 1], exact[i + 1]));
+        }
+      }
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_LT(ours[i], 3 * libtorchs[i] + 1e-6) << "scale " << scale << ", " << kOutputs[i + 1];
+      }
     }
   });
 }
