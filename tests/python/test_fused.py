@@ -1,8 +1,8 @@
 """ztrain.nn's fused CPU kernels against torch: dropout (a Bernoulli mask at rate p, kept elements
 scaled as torch scales them, backward through the same mask, torch's generator as the source),
 the tanh GELU and cross-entropy (values and gradients to a few ulps), attention against torch's in
-double and with dropout against ztrain.nn.dropout of the probabilities, and torch's own functions
-where no kernel takes the input."""
+double, in each code of the kernels, and with dropout against ztrain.nn.dropout of the
+probabilities, and torch's own functions where no kernel takes the input."""
 import math
 import unittest
 
@@ -113,6 +113,24 @@ class Attention(unittest.TestCase):
         self.assertLess((y - want).abs().max().item(), 1e-5)
         with self.assertRaisesRegex(ztrain.Error, "do not match"):
             ztrain.nn.scaled_dot_product_attention(q, k[..., :4], v)
+
+    def test_each_code_of_the_kernels_and_a_wrong_name(self):
+        # the benchmarks' switch: every code this CPU runs gives the attention within rounding
+        q, k, v = (torch.randn(2, 3, 70, 16) for _ in range(3))
+        widest = ztrain._C._fused_simd()
+        codes = ["scalar", "avx2", "avx512"]
+        results = []
+        try:
+            for code in codes[:codes.index(widest) + 1]:
+                ztrain._C._set_fused_simd(code)
+                self.assertEqual(ztrain._C._fused_simd(), code)
+                results.append(ztrain.nn.scaled_dot_product_attention(q, k, v, is_causal=True))
+            with self.assertRaisesRegex(ztrain.Error, "scalar, avx2 or avx512, got 'sse'"):
+                ztrain._C._set_fused_simd("sse")
+        finally:
+            ztrain._C._set_fused_simd(widest)
+        for y in results[1:]:
+            self.assertLess((y - results[0]).abs().max().item(), 1e-5)
 
     def test_torchs_function_with_a_mask_or_other_ranks(self):
         q, k, v = (torch.randn(2, 3, 70, 16) for _ in range(3))
