@@ -79,8 +79,10 @@ using detail::simd::kMinusInf;
 using detail::simd::lanes;
 using detail::simd::load8;
 using detail::simd::load_part;
+using detail::simd::load_upto;
 using detail::simd::store8;
 using detail::simd::store_part;
+using detail::simd::store_upto;
 
 constexpr int64_t kRows = 64;  // query rows a block
 
@@ -153,48 +155,30 @@ ZTRAIN_AVX2 Row forward_row_avx2(float* s, int64_t n, int64_t width, float scale
 // and adds P ∘ dP' ∘ F to `weighted` and P to `sum`; the second makes dS and P ∘ F.
 ZTRAIN_AVX2 inline void backward_first(float* s, float* dp, int64_t j, int64_t count, __m256 scale, __m256 shift,
                                        const float* f, __m256& weighted, __m256& sum) {
-  const bool whole = count == 8;
-  const __m256 x = whole ? load8(s + j) : load_part(s + j, count, kMinusInf);
-  __m256 g = whole ? load8(dp + j) : load_part(dp + j, count, 0.0f);
-  if (f) g = _mm256_mul_ps(g, whole ? load8(f + j) : load_part(f + j, count, 0.0f));
-  const __m256 prob = exp8(_mm256_fmadd_ps(x, scale, shift));  // 0 in the padding
+  __m256 g = load_upto(dp + j, count, 0.0f);
+  if (f) g = _mm256_mul_ps(g, load_upto(f + j, count, 0.0f));
+  const __m256 prob = exp8(_mm256_fmadd_ps(load_upto(s + j, count, kMinusInf), scale, shift));  // 0 in the padding
   weighted = _mm256_fmadd_ps(prob, g, weighted);
   sum = _mm256_add_ps(sum, prob);
-  if (whole) {
-    store8(s + j, prob);
-    store8(dp + j, g);
-  } else {
-    store_part(s + j, count, prob);
-    store_part(dp + j, count, g);
-  }
+  store_upto(s + j, count, prob);
+  store_upto(dp + j, count, g);
 }
 
 ZTRAIN_AVX2 inline void backward_second(float* s, float* dp, int64_t j, int64_t count, __m256 scale, __m256 d,
                                         const float* f) {
-  const bool whole = count == 8;
-  const __m256 prob = whole ? load8(s + j) : load_part(s + j, count, 0.0f);
-  const __m256 g = whole ? load8(dp + j) : load_part(dp + j, count, 0.0f);
-  const __m256 ds = _mm256_mul_ps(_mm256_mul_ps(prob, _mm256_sub_ps(g, d)), scale);
-  const __m256 dropped = f ? _mm256_mul_ps(prob, whole ? load8(f + j) : load_part(f + j, count, 0.0f)) : prob;
-  if (whole) {
-    store8(dp + j, ds);
-    store8(s + j, dropped);
-  } else {
-    store_part(dp + j, count, ds);
-    store_part(s + j, count, dropped);
-  }
+  const __m256 prob = load_upto(s + j, count, 0.0f);
+  const __m256 ds = _mm256_mul_ps(_mm256_mul_ps(prob, _mm256_sub_ps(load_upto(dp + j, count, 0.0f), d)), scale);
+  store_upto(dp + j, count, ds);
+  if (f) store_upto(s + j, count, _mm256_mul_ps(prob, load_upto(f + j, count, 0.0f)));
 }
 
 ZTRAIN_AVX2 void backward_row_avx2(float* s, float* dp, int64_t n, int64_t width, float scale, float lse,
                                    const float* f) {
   const __m256 vs = _mm256_set1_ps(scale), shift = _mm256_set1_ps(-lse);
   __m256 weighted = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
-  const int64_t body = n / 8 * 8;
-  for (int64_t j = 0; j < body; j += 8) backward_first(s, dp, j, 8, vs, shift, f, weighted, sum);
-  if (body < n) backward_first(s, dp, body, n - body, vs, shift, f, weighted, sum);
+  for (int64_t j = 0; j < n; j += 8) backward_first(s, dp, j, std::min<int64_t>(8, n - j), vs, shift, f, weighted, sum);
   const __m256 d = _mm256_set1_ps(hsum(weighted) / hsum(sum));
-  for (int64_t j = 0; j < body; j += 8) backward_second(s, dp, j, 8, vs, d, f);
-  if (body < n) backward_second(s, dp, body, n - body, vs, d, f);
+  for (int64_t j = 0; j < n; j += 8) backward_second(s, dp, j, std::min<int64_t>(8, n - j), vs, d, f);
   std::fill(s + n, s + width, 0.0f);
   std::fill(dp + n, dp + width, 0.0f);
 }

@@ -89,6 +89,19 @@ ZTRAIN_AVX2 inline void store_part(T* p, int64_t n, __m256 x) {
   std::copy(v, v + n, p);
 }
 
+/// Elements [0, count) of 8 (count ≤ 8), loaded or stored whole where count is 8.
+ZTRAIN_AVX2 inline __m256 load_upto(const float* p, int64_t count, float pad) {
+  return count == 8 ? load8(p) : load_part(p, count, pad);
+}
+
+ZTRAIN_AVX2 inline void store_upto(float* p, int64_t count, __m256 x) {
+  if (count == 8) {
+    store8(p, x);
+  } else {
+    store_part(p, count, x);
+  }
+}
+
 /// The largest and the sum of a register's 8 floats.
 ZTRAIN_AVX2 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
