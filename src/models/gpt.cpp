@@ -197,12 +197,30 @@ Communicator& tp_of(const BlockOptions& options) { return context_or_default(opt
 // their sum, made out of place (the head's product arrives as a transposed view): three passes over
 // the whole table beside the product. Here the head's backward keeps its product, and the lookup's
 // backward, which always comes later (its gradient flows through the whole model from the head),
-// adds its rows into it and hands the sum over as the table's gradient. Where the head's product is
-// not there (a graph being built for a second derivative, or a backward that did not pass the
-// head), each is its own.
+// adds its rows into it and hands the sum over as the table's gradient. The head's gemm writes its
+// product straight into the place where the table's sharded module sums the gradient for its
+// reduction (DistributedParameter::gradient_place), so the sum needs no copy there either. Where
+// the head's product is not there (a graph being built for a second derivative, or a backward that
+// did not pass the head), each is its own.
 
 struct TiedGradient : torch::CustomClassHolder {
+  explicit TiedGradient(const DistributedParameter& table) : table(table.ptr()) {}
+  std::weak_ptr<DistributedParameterImpl> table;  // the graph does not keep the model alive
   torch::Tensor head;  // the head's product, awaiting the lookup's rows
+
+  /// a · b for the head's product: in the table's gradient place where the gemm can write there
+  /// (the place has the product's type, and the product is not one that this process widens
+  /// through fp32 kernels, which only the out-of-place form does).
+  torch::Tensor product(const torch::Tensor& a, const torch::Tensor& b) const {
+    const auto owner = table.lock();
+    const auto dtype = a.scalar_type();
+    if (owner && !(a.is_cpu() && ztrain::detail::cpu_matmul_through_fp32(dtype))) {
+      if (auto place = owner->gradient_place(); place.defined() && place.scalar_type() == dtype) {
+        return at::mm_out(place, a, b);
+      }
+    }
+    return torch::mm(a, b);
+  }
 };
 
 c10::intrusive_ptr<TiedGradient> tied_gradient(torch::autograd::AutogradContext* ctx) {
@@ -245,8 +263,13 @@ struct TiedHead : torch::autograd::Function<TiedHead> {
     torch::Tensor dx, dwte;
     if (ctx->needs_input_grad(0)) dx = torch::matmul(g, wte);
     if (ctx->needs_input_grad(1)) {
-      dwte = torch::mm(g.reshape({-1, g.size(-1)}).t(), x.reshape({-1, x.size(-1)}));
-      if (!torch::GradMode::is_enabled()) tied_gradient(ctx)->head = std::exchange(dwte, torch::Tensor());
+      const auto a = g.reshape({-1, g.size(-1)}).t(), b = x.reshape({-1, x.size(-1)});
+      if (torch::GradMode::is_enabled()) {
+        dwte = torch::mm(a, b);
+      } else {
+        auto& tied = *tied_gradient(ctx);
+        tied.head = tied.product(a, b);
+      }
     }
     return {dx, dwte, {}};
   }
@@ -272,7 +295,7 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& tokens) {
     auto x = dropped(tr.drop, tok + torch::embedding(tr.wpe(), positions));
     return tied_head_logits(tr.ln_f(tr.h(x)), wte, config_.vocab_size, tp_);
   }
-  const auto tied = c10::IValue::make_capsule(c10::make_intrusive<TiedGradient>());
+  const auto tied = c10::IValue::make_capsule(c10::make_intrusive<TiedGradient>(tr.wte));
   auto x = dropped(tr.drop, TiedLookup::apply(wte, tokens, tied) + torch::embedding(tr.wpe(), positions));
   return TiedHead::apply(tr.ln_f(tr.h(x)), wte, tied);
 }

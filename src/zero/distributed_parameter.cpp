@@ -47,4 +47,13 @@ torch::Tensor DistributedParameterImpl::forward() {
   return cached_;
 }
 
+torch::Tensor DistributedParameterImpl::gradient_place() {
+  const auto& group = groups().front();  // its one parameter's
+  if (!group.requires_grad) return {};
+  const auto buffer = gradient_buffer_ahead(0);
+  if (!buffer.defined()) return {};
+  const auto& entry = group.layout.entries().front();
+  return buffer.narrow(0, entry.offset, entry.numel).view(entry.shape);
+}
+
 }  // namespace ztrain

@@ -175,7 +175,10 @@ void finish_gradients(ShardGroup& g, const torch::Tensor& flat, const GradientPl
     if (places.written(g.params[e])) {
       if (grad.defined()) place.add_(grad);
     } else if (grad.defined()) {
-      place.copy_(grad);
+      // A gradient computed in its place (ShardedModule::gradient_buffer_ahead) is there already.
+      const bool in_place = grad.data_ptr() == place.data_ptr() && grad.scalar_type() == place.scalar_type() &&
+                            grad.sizes() == place.sizes() && grad.strides() == place.strides();
+      if (!in_place) place.copy_(grad);
     } else {
       place.zero_();
     }
@@ -342,6 +345,7 @@ ShardedModule::ShardedModule(std::shared_ptr<torch::nn::Module> wrapped, BlockOp
   }
   order_ = std::move(order);
   held_grads_.resize(groups_.size());
+  ahead_grads_.resize(groups_.size());
   gathered_ = !policy_->shards_parameters;
 }
 
@@ -596,8 +600,9 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   for (size_t g = 0; g < groups_.size(); ++g) {
     auto& group = groups_[g];
     if (!group.requires_grad) continue;
-    flats[g] = detail::flat_buffer(group.layout.total_numel(), group.full.scalar_type(), context_->device(),
-                                   context_->host_shared_buffers());
+    flats[g] = ahead_grads_[g].defined() ? std::exchange(ahead_grads_[g], torch::Tensor())
+                                         : detail::flat_buffer(group.layout.total_numel(), group.full.scalar_type(),
+                                                               context_->device(), context_->host_shared_buffers());
     for (size_t e = 0; e < group.params.size(); ++e) {
       const auto& entry = group.layout.entries()[e];
       auto& p = group.params[e];
@@ -626,6 +631,15 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   std::vector<torch::Tensor> input_grads;
   for (size_t i : call.edge_inputs) input_grads.push_back(leaves[i].grad());
   return input_grads;
+}
+
+torch::Tensor ShardedModule::gradient_buffer_ahead(size_t g) {
+  ZTRAIN_CHECK(g < groups_.size() && groups_[g].requires_grad, kind_, ": group ", g, " takes no gradient");
+  auto& ahead = ahead_grads_[g];
+  if (ahead.defined()) return {};  // handed out for the next backward already
+  ahead = detail::flat_buffer(groups_[g].layout.total_numel(), groups_[g].full.scalar_type(), context_->device(),
+                              context_->host_shared_buffers());
+  return ahead;
 }
 
 void ShardedModule::reduce_gradient(size_t g, torch::Tensor flat_grad) {

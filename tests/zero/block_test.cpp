@@ -457,6 +457,54 @@ TEST(DistributedParameterTest, TiedUseIsGatheredOnceAndGetsBothGradients) {
   }
 }
 
+// An operator may compute the whole gradient into gradient_place(), handed out once per
+// backward: the reduced gradient is the same as from a gradient made anywhere, with a second use
+// adding its share, and a place left unused by a backward is taken over by the next.
+TEST(DistributedParameterTest, GradientMadeInItsPlaceIsReducedFromThere) {
+  for (int level : {0, 3}) {
+    torch::manual_seed(2);
+    auto value = torch::randn({7, 3});
+    const auto rows = torch::randn({7, 3}), other = torch::randn({7, 3});
+    DistributedParameter w(value, {.zero_level = level});
+    auto ref = value.clone().requires_grad_(true);
+    for (int pass = 0; pass < 3; ++pass) {
+      w->zero_grad();
+      ref.mutable_grad().reset();
+      auto place = w->gradient_place();
+      ASSERT_TRUE(place.defined()) << "level " << level << " pass " << pass;
+      EXPECT_EQ(place.sizes(), value.sizes());
+      EXPECT_FALSE(w->gradient_place().defined()) << "handed out twice, level " << level;
+      place.copy_(rows * (pass + 1));
+      auto x = w();
+      // The first use's gradient is the place itself; in pass 1, a second use adds its own.
+      struct Into : torch::autograd::Function<Into> {
+        static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                     const torch::Tensor& place) {
+          ctx->saved_data["place"] = place;
+          return x.sum();
+        }
+        static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                       torch::autograd::variable_list) {
+          return {ctx->saved_data["place"].toTensor(), {}};
+        }
+      };
+      auto loss = Into::apply(x, place);
+      if (pass == 1) loss = loss + (x * other).sum();
+      loss.backward();
+      auto want = rows * (pass + 1) + (pass == 1 ? other : torch::zeros_like(other));
+      EXPECT_TRUE(tensors_equal(sharded_grads(*w).at("weight"), want, 1e-6, 1e-7))
+          << "level " << level << " pass " << pass;
+    }
+    // Handed out and not used by its backward: the next backward takes the buffer over and
+    // fills it as usual.
+    w->zero_grad();
+    ASSERT_TRUE(w->gradient_place().fill_(std::nanf("")).defined());
+    (w() * other).sum().backward();
+    EXPECT_TRUE(tensors_equal(sharded_grads(*w).at("weight"), other, 1e-6, 1e-7)) << "level " << level;
+    EXPECT_TRUE(w->gradient_place().defined()) << "level " << level;
+  }
+}
+
 // A DistributedParameter keeps its last output, whose graph refers back to it: a forward under
 // grad mode with no backward must not keep the module alive, and a backward after it is gone
 // says so.

@@ -195,6 +195,11 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   bool last_call_pending_backward() const;
   /// Called when a backward through this module starts.
   virtual void on_backward() {}
+  /// Group g's flat gradient buffer for the next backward through this module, made now, for
+  /// one operator: a gradient that it computes into its parameter's place there (and hands to
+  /// autograd) then needs no copy into the buffer. Undefined when the buffer was handed out
+  /// already, so that two operators never write the same place. The next backward takes it over.
+  torch::Tensor gradient_buffer_ahead(size_t g);
   /// Whether this module keeps its own last output. The graph of that output then refers to the
   /// module weakly (a strong reference would make a cycle that outlives the model when no
   /// backward comes), and a backward after the module is gone raises.
@@ -231,6 +236,7 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   std::weak_ptr<detail::ShardedCall> last_call_;
   bool gradient_sync_ = true;
   std::vector<torch::Tensor> held_grads_;  // per group: unreduced gradients summed while sync is off
+  std::vector<torch::Tensor> ahead_grads_;  // per group: gradient_buffer_ahead's, for the next backward
 };
 
 /// While it lives, every ShardedModule in `module` (Blocks, DistributedParameters, the module
