@@ -14,9 +14,9 @@
 // libtorch has a kernel of its own for the type, the first 16-bit matmul of the process times both
 // ways once (about 30 ms) and widens only when that is clearly faster.
 //
-// They replace libtorch's CPU kernels of mm, addmm, bmm, baddbmm and the CPU flash attention's
-// forward and backward in the dispatcher, for the whole process once ztrain is loaded; autograd's
-// formulas call the same operators, so backward is covered too. Other dtypes, and a 16-bit type on
+// They replace libtorch's CPU kernels of mm (and its out= form), addmm, bmm, baddbmm and the CPU
+// flash attention's forward and backward in the dispatcher, for the whole process once ztrain is
+// loaded; autograd's formulas call the same operators, so backward is covered too. Other dtypes, and a 16-bit type on
 // a CPU where libtorch's own kernel is the faster, go straight to it (`at::cpu::…`).
 // ZTRAIN_CPU_MATMUL16=native keeps libtorch's kernels, =fp32 widens on any CPU, =auto (the
 // default) widens where the CPU lacks the units or they are the slower way.
@@ -148,14 +148,18 @@ int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 // of m, n and k, so that the widened copies of a chunk are still in cache when the fp32 kernel
 // reads them, and a vocabulary projection's weight is never widened whole (154 MB for GPT-2's):
 // along n or m each chunk is a slice of the output; along k the chunks' products add up in fp32.
+// The result goes to `into` where given (an [m, n] tensor of a's type), else to a new tensor.
 Tensor widened_matmul(const std::optional<Tensor>& self, const Tensor& a, const Tensor& b, const at::Scalar& beta,
-                      const at::Scalar& alpha) {
+                      const at::Scalar& alpha, const Tensor* into = nullptr) {
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1), largest = std::max({m, n, k});
   const auto gemm = [&](const Tensor& a32, const Tensor& b32, const std::optional<Tensor>& s) {
     return s ? at::cpu::addmm(fp32(*s), a32, b32, beta, alpha) : at::cpu::mm(a32, b32);
   };
+  const auto rounded = [&](const Tensor& result32) {
+    return into ? into->copy_(result32) : result32.to(a.scalar_type());
+  };
   const int64_t chunks = std::min(largest, ceil_div(std::max({m * k, k * n, m * n}), kChunkElements));
-  if (chunks <= 1) return gemm(fp32(a), fp32(b), self).to(a.scalar_type());
+  if (chunks <= 1) return rounded(gemm(fp32(a), fp32(b), self));
   const int64_t step = ceil_div(largest, chunks);
   if (largest == k && k != n && k != m) {
     Tensor sum;
@@ -168,9 +172,9 @@ Tensor widened_matmul(const std::optional<Tensor>& self, const Tensor& a, const 
         at::cpu::addmm_(sum, a32, b32, 1, alpha);  // alpha is 1 for mm
       }
     }
-    return sum.to(a.scalar_type());
+    return rounded(sum);
   }
-  auto out = at::empty({m, n}, a.options());
+  auto out = into ? *into : at::empty({m, n}, a.options());
   const bool columns = largest == n;
   const auto whole = columns ? fp32(a) : fp32(b);
   for (int64_t i = 0; i < largest; i += step) {
@@ -188,6 +192,17 @@ Tensor widened_matmul(const std::optional<Tensor>& self, const Tensor& a, const 
 Tensor mm(const Tensor& a, const Tensor& b) {
   if (!widen({&a, &b})) return at::cpu::mm(a, b);
   return widened_matmul(std::nullopt, a, b, 1, 1);
+}
+
+// The out= form, which gradients computed into their place use (zero/gradient_place.h).
+Tensor& mm_out(const Tensor& a, const Tensor& b, Tensor& out) {
+  if (!widen({&a, &b, &out})) return at::cpu::mm_out(out, a, b);
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "mm: expected 2-D operands, got ", a.dim(), "-D and ", b.dim(), "-D");
+  TORCH_CHECK(a.size(1) == b.size(0), "mm: mat1 and mat2 shapes cannot be multiplied (", a.size(0), "x", a.size(1),
+              " and ", b.size(0), "x", b.size(1), ")");
+  if (out.sizes() != at::IntArrayRef{a.size(0), b.size(1)}) out.resize_({a.size(0), b.size(1)});
+  widened_matmul(std::nullopt, a, b, 1, 1, &out);
+  return out;
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
@@ -243,6 +258,7 @@ torch::Library register_kernels() {
   c10::WarningUtils::WarningHandlerGuard guard(&quiet);
   torch::Library lib(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__, __LINE__);
   lib.impl("mm", TORCH_FN(mm));
+  lib.impl("mm.out", TORCH_FN(mm_out));
   lib.impl("bmm", TORCH_FN(bmm));
   lib.impl("addmm", TORCH_FN(addmm));
   lib.impl("baddbmm", TORCH_FN(baddbmm));

@@ -12,8 +12,8 @@
 
 namespace ztrain::detail {
 
-/// Whether mm, addmm, bmm, baddbmm and the CPU flash attention on operands of this dtype run
-/// through fp32 in this process (never for a dtype other than bf16 and fp16). Throws
+/// Whether mm (and mm_out), addmm, bmm, baddbmm and the CPU flash attention on operands of this
+/// dtype run through fp32 in this process (never for a dtype other than bf16 and fp16). Throws
 /// ztrain::Error naming a ZTRAIN_CPU_MATMUL16 other than the three.
 bool cpu_matmul_through_fp32(at::ScalarType dtype);
 

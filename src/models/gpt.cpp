@@ -208,14 +208,11 @@ struct TiedGradient : torch::CustomClassHolder {
   std::weak_ptr<DistributedParameterImpl> table;  // the graph does not keep the model alive
   torch::Tensor head;  // the head's product, awaiting the lookup's rows
 
-  /// a · b for the head's product: in the table's gradient place where the gemm can write there
-  /// (the place has the product's type, and the product is not one that this process widens
-  /// through fp32 kernels, which only the out-of-place form does).
+  /// a · b for the head's product: in the table's gradient place where it has one of the
+  /// product's type.
   torch::Tensor product(const torch::Tensor& a, const torch::Tensor& b) const {
-    const auto owner = table.lock();
-    const auto dtype = a.scalar_type();
-    if (owner && !(a.is_cpu() && ztrain::detail::cpu_matmul_through_fp32(dtype))) {
-      if (auto place = owner->gradient_place(); place.defined() && place.scalar_type() == dtype) {
+    if (const auto owner = table.lock()) {
+      if (auto place = owner->gradient_place(); place.defined() && place.scalar_type() == a.scalar_type()) {
         return at::mm_out(place, a, b);
       }
     }

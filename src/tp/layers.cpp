@@ -40,11 +40,12 @@ std::vector<int64_t> weight_shape(WeightLayout layout, int64_t in, int64_t out) 
 /// gradient buffer where it has one (zero/gradient_place.h), returning undefined; else returned.
 torch::Tensor product_gradient(const torch::Tensor& p, const torch::Tensor& a, const torch::Tensor& b) {
   const bool written = write_gradient(p, [&](torch::Tensor& place, bool accumulate) {
-    if (place.is_cpu() && detail::cpu_matmul_through_fp32(place.scalar_type())) {
-      const auto product = torch::mm(a, b);  // widened, which the out= and in-place forms are not
-      accumulate ? place.add_(product) : place.copy_(product);
+    if (!accumulate) {
+      at::mm_out(place, a, b);  // 16-bit ones widened where this process widens (cpu_matmul16.h)
+    } else if (place.is_cpu() && detail::cpu_matmul_through_fp32(place.scalar_type())) {
+      place.add_(torch::mm(a, b));  // widened, which the in-place form is not
     } else {
-      accumulate ? place.addmm_(a, b) : at::mm_out(place, a, b);
+      place.addmm_(a, b);
     }
   });
   return written ? torch::Tensor() : torch::mm(a, b);

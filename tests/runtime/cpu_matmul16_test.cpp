@@ -6,6 +6,7 @@
 
 #include <ztrain/cpu_matmul16.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 
@@ -124,6 +125,40 @@ TEST(CpuMatmul16, EqualsTheFp32KernelRoundedOnce) {
     const auto f = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
     EXPECT_TRUE(torch::equal(torch::mm(a, b), torch::mm(f(a), f(b)).to(kind)));
     EXPECT_TRUE(torch::equal(torch::addmm(bias, a, b), torch::addmm(f(bias), f(a), f(b)).to(kind)));
+  }
+}
+
+// The out= form writes the same widened product into the given tensor (whole, in chunks of rows,
+// columns or the inner dimension, and into a strided slice), and an operand that cannot be
+// multiplied is refused.
+TEST(CpuMatmul16, MmOutWidensIntoItsOutput) {
+  Choice widen(true);
+  for (const auto kind : k16Bit) {
+    for (const auto& [m, k, n] : std::vector<std::array<int64_t, 3>>{
+             {64, 256, 48}, {4000, 300, 24}, {40, 300, 4000}, {24, 6000, 100}}) {
+      SCOPED_TRACE(c10::str(c10::toString(kind), " ", m, "x", k, "x", n));
+      torch::manual_seed(5);
+      const auto a = torch::randn({m, k}).to(kind), b = torch::randn({k, n}).to(kind);
+      const auto want = torch::mm(a.to(torch::kFloat), b.to(torch::kFloat)).to(kind);
+      auto out = torch::empty({m, n}, kind);
+      const auto before = cpu_matmul_widened_calls();
+      const auto& returned = at::mm_out(out, a, b);
+      EXPECT_EQ(cpu_matmul_widened_calls() - before, 1u);
+      EXPECT_TRUE(returned.is_same(out));
+      EXPECT_TRUE(torch::equal(out, want));
+      auto wider = torch::zeros({m, n + 8}, kind);
+      auto slice = wider.narrow(1, 4, n);
+      at::mm_out(slice, a, b);
+      EXPECT_TRUE(torch::equal(slice, want));
+      EXPECT_EQ(wider.narrow(1, 0, 4).abs().sum().item<double>(), 0.0);
+    }
+    auto out = torch::empty({3, 3}, kind);
+    try {  // libtorch's error type, as from its own kernel
+      at::mm_out(out, torch::ones({3, 4}, kind), torch::ones({5, 3}, kind));
+      ADD_FAILURE() << "mismatched operands were multiplied";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cannot be multiplied (3x4 and 5x3)"), std::string::npos) << e.what();
+    }
   }
 }
 
