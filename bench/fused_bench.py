@@ -1,8 +1,8 @@
 """ztrain.nn's fused CPU kernels against the torch functions they replace, side by side in one
 process: nanoseconds an element (attention: milliseconds a call), forward alone and forward with
-backward, the median of --repeats timings of --calls calls each. The attention cases run in each
-code of the fused kernels that --simd names, in turn (scalar, avx2, avx512; the widest this CPU
-has by default).
+backward, the median of --repeats timings of --calls calls each. Every case runs in each code of
+the fused kernels that --simd names, in turn (scalar, avx2, avx512; the widest this CPU has by
+default).
 
     OMP_NUM_THREADS=1 PYTHONPATH=build/python .venv/bin/python bench/fused_bench.py
 """
@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability")
     parser.add_argument("--simd", nargs="*", default=[_C._fused_simd()],
-                        help="the fused kernels' code the attention cases run in turn: scalar, avx2, avx512 "
+                        help="the fused kernels' codes each case runs in, in turn: scalar, avx2, avx512 "
                              "(default: the widest this CPU has)")
     parser.add_argument("--tokens", type=int, nargs="*", default=[256, 1024],
                         help="sequence lengths of the causal attention cases")
@@ -110,12 +110,13 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); ns an element, "
           f"median of {args.repeats} x {args.calls} calls")
     print(f"{'kernel':38} {'ztrain':>8} {'torch':>8} {'ratio':>6} | {'fwd+bwd':>8} {'torch':>8} {'ratio':>6}")
-    for name, x, ours, theirs in cases:
+    for (name, x, ours, theirs), simd in ((case, simd) for case in cases for simd in args.simd):
+        _C._set_fused_simd(simd)
         n = x.numel()
         grad = torch.ones(()) if name.startswith("cross_entropy") else torch.randn_like(x)
         fwd = [per_element(lambda op=op: op(x), n, args.calls, args.repeats) for op in (ours, theirs)]
         both = [per_element(with_backward(op, x, grad), n, args.calls, args.repeats) for op in (ours, theirs)]
-        print(f"{name:38} {fwd[0]:8.2f} {fwd[1]:8.2f} {fwd[1] / fwd[0]:6.1f} | "
+        print(f"{f'{name}, {simd}':38} {fwd[0]:8.2f} {fwd[1]:8.2f} {fwd[1] / fwd[0]:6.1f} | "
               f"{both[0]:8.2f} {both[1]:8.2f} {both[1] / both[0]:6.1f}")
     attention(args, 2, 12, 12)  # GPT-2's
     attention(args, 1, 16, 4)  # grouped-query, Llama-style
