@@ -595,14 +595,22 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   // gradients start undefined, so that autograd hands over each one as the backward made it (or
   // the sum, for a parameter used more than once), to be copied to its place; accumulating into
   // a zeroed buffer instead would cost a pass of zeros and a read-add-write pass.
+  // A buffer made ahead (gradient_buffer_ahead) is this backward's where a gradient arriving here
+  // was computed in it; another backward of this module may be the one it was made for.
+  const auto arrived_in = [&](const torch::Tensor& buffer) {
+    return std::any_of(root_grads.begin(), root_grads.end(),
+                       [&](const torch::Tensor& g) { return g.storage().is_alias_of(buffer.storage()); });
+  };
   std::vector<torch::Tensor> targets, flats(groups_.size());
   detail::GradientPlaces places;
   for (size_t g = 0; g < groups_.size(); ++g) {
     auto& group = groups_[g];
     if (!group.requires_grad) continue;
-    flats[g] = ahead_grads_[g].defined() ? std::exchange(ahead_grads_[g], torch::Tensor())
-                                         : detail::flat_buffer(group.layout.total_numel(), group.full.scalar_type(),
-                                                               context_->device(), context_->host_shared_buffers());
+    auto& ahead = ahead_grads_[g];
+    flats[g] = ahead.defined() && arrived_in(ahead)
+                   ? std::exchange(ahead, torch::Tensor())
+                   : detail::flat_buffer(group.layout.total_numel(), group.full.scalar_type(), context_->device(),
+                                         context_->host_shared_buffers());
     for (size_t e = 0; e < group.params.size(); ++e) {
       const auto& entry = group.layout.entries()[e];
       auto& p = group.params[e];
@@ -627,6 +635,11 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   // Held gradients reach no shard: nothing can step on them.
   if (reduced && gradient_sync_) stale_ = true;
   release();
+  // Made ahead and not used, with no backward of this module still to come: let go. (An operator
+  // that wrote there keeps it alive; its gradient, arriving later, is copied like any other.)
+  if (!last_call_pending_backward()) {
+    for (auto& ahead : ahead_grads_) ahead = torch::Tensor();
+  }
 
   std::vector<torch::Tensor> input_grads;
   for (size_t i : call.edge_inputs) input_grads.push_back(leaves[i].grad());

@@ -457,6 +457,19 @@ TEST(DistributedParameterTest, TiedUseIsGatheredOnceAndGetsBothGradients) {
   }
 }
 
+// x.sum(), whose backward hands `place` over as x's gradient: an operator that computed it there.
+struct GradientIn : torch::autograd::Function<GradientIn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& place) {
+    ctx->saved_data["place"] = place;
+    return x.sum();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list) {
+    return {ctx->saved_data["place"].toTensor(), {}};
+  }
+};
+
 // An operator may compute the whole gradient into gradient_place(), handed out once per
 // backward: the reduced gradient is the same as from a gradient made anywhere, with a second use
 // adding its share, and a place left unused by a backward is taken over by the next.
@@ -477,31 +490,40 @@ TEST(DistributedParameterTest, GradientMadeInItsPlaceIsReducedFromThere) {
       place.copy_(rows * (pass + 1));
       auto x = w();
       // The first use's gradient is the place itself; in pass 1, a second use adds its own.
-      struct Into : torch::autograd::Function<Into> {
-        static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                                     const torch::Tensor& place) {
-          ctx->saved_data["place"] = place;
-          return x.sum();
-        }
-        static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                       torch::autograd::variable_list) {
-          return {ctx->saved_data["place"].toTensor(), {}};
-        }
-      };
-      auto loss = Into::apply(x, place);
+      auto loss = GradientIn::apply(x, place);
       if (pass == 1) loss = loss + (x * other).sum();
       loss.backward();
       auto want = rows * (pass + 1) + (pass == 1 ? other : torch::zeros_like(other));
       EXPECT_TRUE(tensors_equal(sharded_grads(*w).at("weight"), want, 1e-6, 1e-7))
           << "level " << level << " pass " << pass;
     }
-    // Handed out and not used by its backward: the next backward takes the buffer over and
-    // fills it as usual.
+    // Handed out and not used by the backward: it computes as usual and, no other being
+    // pending, lets the buffer go.
     w->zero_grad();
     ASSERT_TRUE(w->gradient_place().fill_(std::nanf("")).defined());
     (w() * other).sum().backward();
     EXPECT_TRUE(tensors_equal(sharded_grads(*w).at("weight"), other, 1e-6, 1e-7)) << "level " << level;
     EXPECT_TRUE(w->gradient_place().defined()) << "level " << level;
+  }
+}
+
+// With forwards of their own (new_forward, as a pipeline's micro-batches), each use has a backward
+// of its own. The place goes to the backward its gradient arrives at, whichever backward runs
+// first: another leaves it alone.
+TEST(DistributedParameterTest, GradientPlaceGoesToTheBackwardItArrivesAt) {
+  for (int level : {0, 3}) {
+    torch::manual_seed(3);
+    const auto value = torch::randn({7, 3}), rows = torch::randn({7, 3}), other = torch::randn({7, 3});
+    DistributedParameter w(value, {.zero_level = level});
+    auto a = w();
+    w->new_forward();
+    auto b = w();
+    ASSERT_FALSE(a.is_same(b));
+    auto place = w->gradient_place();
+    place.copy_(rows);
+    (a * other).sum().backward();  // the first forward's backward: its gradient is not in the place
+    GradientIn::apply(b, place).backward();
+    EXPECT_TRUE(tensors_equal(sharded_grads(*w).at("weight"), rows + other, 1e-6, 1e-7)) << "level " << level;
   }
 }
 

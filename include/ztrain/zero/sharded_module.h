@@ -195,10 +195,12 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   bool last_call_pending_backward() const;
   /// Called when a backward through this module starts.
   virtual void on_backward() {}
-  /// Group g's flat gradient buffer for the next backward through this module, made now, for
-  /// one operator: a gradient that it computes into its parameter's place there (and hands to
-  /// autograd) then needs no copy into the buffer. Undefined when the buffer was handed out
-  /// already, so that two operators never write the same place. The next backward takes it over.
+  /// Group g's flat gradient buffer for a backward through this module still to come, made now,
+  /// for one operator: a gradient that it computes into its parameter's place there (and hands
+  /// to autograd) then needs no copy into the buffer. Undefined when the buffer was handed out
+  /// already, so that two operators never write the same place. The backward that the gradient
+  /// arrives at takes the buffer over; one it does not arrive at, with no other still to come,
+  /// lets it go.
   torch::Tensor gradient_buffer_ahead(size_t g);
   /// Whether this module keeps its own last output. The graph of that output then refers to the
   /// module weakly (a strong reference would make a cycle that outlives the model when no
