@@ -1,3 +1,10 @@
+// GCC 12 reports its own AVX-512 intrinsics as possibly uninitialised once inlined (see
+// attention.cpp); off before the first include, in a file compiled on its own.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 #include <ztrain/models/fused.h>
 
 #include "simd.h"

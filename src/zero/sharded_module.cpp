@@ -598,8 +598,9 @@ std::vector<torch::Tensor> ShardedModule::backward(detail::ShardedCall& call, co
   // A buffer made ahead (gradient_buffer_ahead) is this backward's where a gradient arriving here
   // was computed in it; another backward of this module may be the one it was made for.
   const auto arrived_in = [&](const torch::Tensor& buffer) {
-    return std::any_of(root_grads.begin(), root_grads.end(),
-                       [&](const torch::Tensor& g) { return g.storage().is_alias_of(buffer.storage()); });
+    return std::any_of(root_grads.begin(), root_grads.end(), [&](const torch::Tensor& g) {
+      return g.has_storage() && g.storage().is_alias_of(buffer.storage());
+    });
   };
   std::vector<torch::Tensor> targets, flats(groups_.size());
   detail::GradientPlaces places;

@@ -52,12 +52,12 @@ class DistributedParameterImpl : public ShardedModule {
   /// (a pipeline schedule runs forwards ahead of backwards), each with its own backward.
   void new_forward() { cached_ = torch::Tensor(); }
   const std::string& name() const { return name_; }
-  /// Where the next backward through it sums the value's gradient (full shape, uninitialised),
-  /// for one operator that computes a whole gradient of the value itself, such as a tied LM
+  /// A place for the value's whole gradient (full shape, uninitialised) in the buffer a backward
+  /// through it reduces, for one operator that computes that gradient itself, such as a tied LM
   /// head's weight-gradient gemm: a gradient made there and handed to autograd, alone or with
-  /// more added to it in place, is reduced from there without a copy. Undefined where the
-  /// parameter takes no gradient or the place was handed out already for that backward (a second
-  /// use then computes its gradient out of place, as usual).
+  /// more added to it in place, is reduced from there by the backward it arrives at, without a
+  /// copy. Undefined where the parameter takes no gradient or the place is handed out already
+  /// (a second use then computes its gradient out of place, as usual).
   torch::Tensor gradient_place();
 
  private:

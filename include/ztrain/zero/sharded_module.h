@@ -238,7 +238,7 @@ class ShardedModule : public torch::nn::Module, public ParameterRecords {
   std::weak_ptr<detail::ShardedCall> last_call_;
   bool gradient_sync_ = true;
   std::vector<torch::Tensor> held_grads_;  // per group: unreduced gradients summed while sync is off
-  std::vector<torch::Tensor> ahead_grads_;  // per group: gradient_buffer_ahead's, for the next backward
+  std::vector<torch::Tensor> ahead_grads_;  // per group: gradient_buffer_ahead's, for a backward to come
 };
 
 /// While it lives, every ShardedModule in `module` (Blocks, DistributedParameters, the module
