@@ -7,7 +7,9 @@
 #include <ztrain/tp/nn.h>
 #include <ztrain/zero/gradient_place.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace ztrain::tp {
 
@@ -59,6 +61,30 @@ torch::Tensor bias_gradient(const torch::Tensor& b, const torch::Tensor& g) {
   return written ? torch::Tensor() : g.sum(0);
 }
 
+/// [m, n] of m copies of b [n], copied a doubling block of rows at a time: libtorch's addmm
+/// fills its output from the broadcast bias element by element first (5 GB/s on the Xeon in
+/// docs/benchmarks.md, about 30 ms of a GPT-2 124M step).
+torch::Tensor rows_of(const torch::Tensor& b, int64_t m) {
+  auto out = torch::empty({m, b.numel()}, b.options());
+  if (m == 0) return out;
+  const auto row = static_cast<size_t>(b.nbytes());
+  auto* first = static_cast<char*>(out.data_ptr());
+  std::memcpy(first, b.contiguous().data_ptr(), row);
+  for (int64_t done = 1; done < m;) {
+    const int64_t n = std::min(done, m - done);
+    std::memcpy(first + done * row, first, n * row);
+    done += n;
+  }
+  return out;
+}
+
+/// x · w + b: on the CPU the bias fills the output by rows_of and the gemm adds to it, where the
+/// gemm is libtorch's own (not widened from 16 bits, whose addmm takes the bias itself).
+torch::Tensor affine(const torch::Tensor& b, const torch::Tensor& x, const torch::Tensor& w) {
+  if (!x.is_cpu() || detail::cpu_matmul_through_fp32(x.scalar_type())) return torch::addmm(b, x, w);
+  return rows_of(b, x.size(0)).addmm_(x, w);
+}
+
 /// x W + b (layout kInOut) or x Wᵀ + b (kOutIn) over x's last dimension, b optional. Backward
 /// writes the weight's and the bias's gradients straight into their places in the flat gradient
 /// buffer of the sharded module running its backward, where they have one, saving the copy there
@@ -75,7 +101,7 @@ struct Affine : torch::autograd::Function<Affine> {
     const auto x2 = x.reshape({-1, x.size(-1)}), w2 = in_out ? w : w.t();
     ctx->save_for_backward({x2, w, b});
     ctx->saved_data["in_out"] = in_out;
-    return (has(b) ? torch::addmm(b, x2, w2) : torch::mm(x2, w2)).view(sizes);
+    return (has(b) ? affine(b, x2, w2) : torch::mm(x2, w2)).view(sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
