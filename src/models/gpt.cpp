@@ -7,7 +7,6 @@
 #include <ztrain/runtime/init.h>
 #include <ztrain/runtime/tp_rng.h>
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -204,59 +203,20 @@ Communicator& tp_of(const BlockOptions& options) { return context_or_default(opt
 // the head's product is not there (a graph being built for a second derivative, or a backward that
 // did not pass the head), each is its own.
 
-// The head's gemms whose output spans the vocabulary (logits [rows, V] and the table's gradient
-// [V, d]) run on the CPU a block of the table's rows at a time, each block's output a few MiB: as
-// one gemm, the 512 × 768 × 50257 products ran at 108-116 GFLOP/s against 131-146 in blocks (one
-// core of the Xeon in docs/benchmarks.md), and 57 against 100 for the gradient at 128 rows. The
-// block's output lands in its place (a column slice of the logits, rows of the gradient), so
-// nothing is copied. The third gemm (the activations' gradient) sums over the vocabulary and runs
-// whole.
-constexpr int64_t kVocabularyBlockBytes = int64_t{8} << 20;
-
-int64_t vocabulary_block(const torch::Tensor& out_rows_of) {
-  const int64_t bytes = out_rows_of.size(0) * out_rows_of.element_size();
-  return std::clamp<int64_t>(kVocabularyBlockBytes / std::max<int64_t>(bytes, 1) / 64 * 64, 1024, 8192);
-}
-
-/// x · tableᵀ for x [rows, d] and table [V, d].
-torch::Tensor vocabulary_logits(const torch::Tensor& x, const torch::Tensor& table) {
-  if (!x.device().is_cpu()) return torch::mm(x, table.t());
-  auto out = torch::empty({x.size(0), table.size(0)}, x.options());
-  const int64_t block = vocabulary_block(x);
-  for (int64_t v = 0; v < table.size(0); v += block) {
-    const int64_t n = std::min(block, table.size(0) - v);
-    auto slice = out.narrow(1, v, n);
-    at::mm_out(slice, x, table.narrow(0, v, n).t());
-  }
-  return out;
-}
-
-/// gᵀ · x into out [V, d], for g [rows, V] and x [rows, d].
-torch::Tensor vocabulary_gradient_into(torch::Tensor out, const torch::Tensor& g, const torch::Tensor& x) {
-  if (!x.device().is_cpu()) return at::mm_out(out, g.t(), x);
-  const int64_t block = vocabulary_block(x);
-  for (int64_t v = 0; v < out.size(0); v += block) {
-    const int64_t n = std::min(block, out.size(0) - v);
-    auto rows = out.narrow(0, v, n);
-    at::mm_out(rows, g.narrow(1, v, n).t(), x);
-  }
-  return out;
-}
-
 struct TiedGradient : torch::CustomClassHolder {
   explicit TiedGradient(const DistributedParameter& table) : table(table.ptr()) {}
   std::weak_ptr<DistributedParameterImpl> table;  // the graph does not keep the model alive
   torch::Tensor head;  // the head's product, awaiting the lookup's rows
 
-  /// gᵀ · x for the head's product: in the table's gradient place where it has one of the
+  /// a · b for the head's product: in the table's gradient place where it has one of the
   /// product's type.
-  torch::Tensor product(const torch::Tensor& g, const torch::Tensor& x) const {
+  torch::Tensor product(const torch::Tensor& a, const torch::Tensor& b) const {
     if (const auto owner = table.lock()) {
-      if (auto place = owner->gradient_place(); place.defined() && place.scalar_type() == g.scalar_type()) {
-        return vocabulary_gradient_into(place, g, x);
+      if (auto place = owner->gradient_place(); place.defined() && place.scalar_type() == a.scalar_type()) {
+        return at::mm_out(place, a, b);
       }
     }
-    return vocabulary_gradient_into(torch::empty({g.size(1), x.size(1)}, x.options()), g, x);
+    return torch::mm(a, b);
   }
 };
 
@@ -290,9 +250,7 @@ struct TiedHead : torch::autograd::Function<TiedHead> {
                                c10::IValue tied) {
     ctx->save_for_backward({x, wte});
     ctx->saved_data["tied"] = std::move(tied);
-    auto sizes = x.sizes().vec();
-    sizes.back() = wte.size(0);
-    return vocabulary_logits(x.reshape({-1, x.size(-1)}), wte).view(sizes);
+    return torch::matmul(x, wte.t());
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -302,12 +260,12 @@ struct TiedHead : torch::autograd::Function<TiedHead> {
     torch::Tensor dx, dwte;
     if (ctx->needs_input_grad(0)) dx = torch::matmul(g, wte);
     if (ctx->needs_input_grad(1)) {
-      const auto g2 = g.reshape({-1, g.size(-1)}), x2 = x.reshape({-1, x.size(-1)});
+      const auto a = g.reshape({-1, g.size(-1)}).t(), b = x.reshape({-1, x.size(-1)});
       if (torch::GradMode::is_enabled()) {
-        dwte = torch::mm(g2.t(), x2);
+        dwte = torch::mm(a, b);
       } else {
         auto& tied = *tied_gradient(ctx);
-        tied.head = tied.product(g2, x2);
+        tied.head = tied.product(a, b);
       }
     }
     return {dx, dwte, {}};
