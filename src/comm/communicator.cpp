@@ -1,6 +1,7 @@
 #include <ztrain/comm/communicator.h>
 
 #include "deadline.h"
+#include "host_rendezvous.h"
 #include "reduce.h"
 
 #include <torch/torch.h>
@@ -290,6 +291,10 @@ void Communicator::wait_all(std::vector<TransportRequestPtr>& requests, const ch
 
 void Communicator::wait_for(std::vector<TransportRequest*> requests, const char* op, int peer) {
   if (guarded(op, peer, [&] { return detail::poll_until_done(requests, options_.timeout); })) return;
+  timed_out(op, peer);
+}
+
+void Communicator::timed_out(const char* op, int peer) {
   const std::string who =
       peer >= 0 ? c10::str("rank ", peer, " (world rank ", world_rank_of(peer), ")") : std::string("a member");
   fail(c10::str("ztrain: ", op, " on communicator '", name(), "' timed out after ", seconds(options_.timeout),
@@ -520,7 +525,7 @@ void Communicator::recv(const torch::Tensor& tensor, int src, int tag) {
 
 void Communicator::barrier() {
   begin({kBarrier});
-  run_barrier("barrier");
+  barrier_on_host("barrier");
 }
 
 std::vector<std::string> Communicator::all_gather_bytes(std::string_view bytes) {

@@ -235,8 +235,8 @@ class HostSharedAllocator final : public HostAllocator {
 
 // ---- peers' blocks ---------------------------------------------------------------------------
 
-// Maps [offset, offset + bytes) of memory file `fd` of process `pid`, shared: at `where` (replacing
-// what is mapped there) unless that is null. Null with the reason in `error`.
+}  // namespace
+
 void* map_process_file(int pid, int fd, uint64_t offset, size_t bytes, bool writable, void* where,
                        std::string& error) {
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
@@ -256,6 +256,8 @@ void* map_process_file(int pid, int fd, uint64_t offset, size_t bytes, bool writ
   close(local);
   return p == MAP_FAILED ? nullptr : p;
 }
+
+namespace {
 
 class PeerMappings {
  public:

@@ -1,5 +1,6 @@
 #include <ztrain/comm/communicator.h>
 
+#include "host_rendezvous.h"
 #include "host_shared_detail.h"
 #include "reduce.h"
 
@@ -23,9 +24,11 @@
 //   shared, each member pulls them into its own output.
 // - reduce_scatter: member r sums slice r of every input into its output.
 // Each member starts at a different peer, so that no buffer is read by all members at once.
-// The exchanges and the agreement are the communicator's control collectives (the transport's
-// own, else rings), and the barrier its own too, so the path needs nothing of the transport
-// beyond them.
+// The exchanges, the agreement and the barrier are meetings in a small host-shared memory file
+// (host_rendezvous.h), where a waiting member sleeps until the next arrival instead of polling
+// the transport. The communicator makes the meeting point at its first call here, through its
+// control collectives (the transport's own, else rings), and keeps to those where one cannot be
+// made, so the path needs nothing of the transport beyond them.
 
 namespace ztrain {
 
@@ -40,6 +43,61 @@ torch::Tensor view_of(const char* data, int64_t numel, c10::ScalarType dtype) {
 }
 
 }  // namespace
+
+detail::HostRendezvous* Communicator::rendezvous(const char* call) {
+  if (rendezvous_tried_ || !host_local_ || size_ == 1 || !options_.host_shared) return rendezvous_.get();
+  rendezvous_tried_ = true;
+  std::string error;
+  detail::HostRendezvous::Name made_here;
+  if (rank_ == 0 && (rendezvous_ = detail::HostRendezvous::create(size_, error))) made_here = rendezvous_->name();
+  std::vector<detail::HostRendezvous::Name> names(size_);
+  constexpr auto kNameBytes = static_cast<int64_t>(sizeof(made_here));
+  control_all_gather(torch::from_blob(&made_here, {kNameBytes}, torch::kUInt8),
+                     torch::from_blob(names.data(), {kNameBytes * size_}, torch::kUInt8), call);
+  if (rank_ != 0 && names[0].pid != 0) rendezvous_ = detail::HostRendezvous::join(names[0], size_, rank_, error);
+  int32_t made = rendezvous_ != nullptr;
+  control_all_reduce(torch::from_blob(&made, {1}, torch::kInt32), ReduceOp::kMin, call);
+  if (made) return rendezvous_.get();
+  rendezvous_.reset();
+  // Correct either way, only slower: said once, not for every communicator.
+  static std::once_flag once;
+  if (!error.empty()) {
+    std::call_once(once, [&] {
+      std::cerr << "ztrain: " << call << " on communicator '" << name() << "': " << error
+                << "; the members of collectives on host-shared buffers meet through the transport instead"
+                << std::endl;
+    });
+  }
+  return nullptr;
+}
+
+void Communicator::meet_on_host(const void* mine, size_t bytes, const char* call) {
+  if (rendezvous_->meet(mine, bytes, options_.timeout)) {
+    ++stats_.host_meetings;
+    return;
+  }
+  const auto absent = rendezvous_->absent();
+  timed_out(call, absent.size() == 1 ? absent[0] : -1);
+}
+
+void Communicator::exchange_on_host(const void* mine, void* all, size_t bytes, const char* call) {
+  if (!rendezvous(call) || bytes > detail::HostRendezvous::kSlotBytes) {
+    const auto length = static_cast<int64_t>(bytes);
+    control_all_gather(torch::from_blob(const_cast<void*>(mine), {length}, torch::kUInt8),
+                       torch::from_blob(all, {length * size_}, torch::kUInt8), call);
+    return;
+  }
+  meet_on_host(mine, bytes, call);
+  for (int m = 0; m < size_; ++m) std::memcpy(static_cast<char*>(all) + m * bytes, rendezvous_->said(m), bytes);
+}
+
+void Communicator::barrier_on_host(const char* call) {
+  if (rendezvous(call)) {
+    meet_on_host(nullptr, 0, call);
+  } else {
+    run_barrier(call);
+  }
+}
 
 Communicator::Members Communicator::map_members(const std::vector<torch::Tensor>& buffers, const char* call) {
   if (!host_local_ || size_ == 1) return {};
@@ -60,9 +118,7 @@ Communicator::Members Communicator::map_members(const std::vector<torch::Tensor>
     }
   }
   std::vector<Entry> all(size_ * count);  // member m's buffer b at m * count + b
-  const auto entry_bytes = static_cast<int64_t>(count * sizeof(Entry));
-  control_all_gather(torch::from_blob(mine.data(), {entry_bytes}, torch::kUInt8),
-                     torch::from_blob(all.data(), {entry_bytes * size_}, torch::kUInt8), call);
+  exchange_on_host(mine.data(), all.data(), count * sizeof(Entry), call);
   auto of = [&](int m, int b) -> const Entry& { return all[m * count + b]; };
   // Members read (and write) each other's buffers over this rank's extent: a member with a
   // different size is refused on every member alike, before anyone touches memory.
@@ -90,8 +146,9 @@ Communicator::Members Communicator::map_members(const std::vector<torch::Tensor>
                                : detail::map_host_shared(of(m, members.buffer).range, error);
     mapped = members.at[m] != nullptr;
   }
-  control_all_reduce(torch::from_blob(&mapped, {1}, torch::kInt32), ReduceOp::kMin, call);
-  if (mapped) return members;
+  std::vector<int32_t> everywhere(size_);
+  exchange_on_host(&mapped, everywhere.data(), sizeof(mapped), call);
+  if (*std::min_element(everywhere.begin(), everywhere.end())) return members;
   // Correct either way, only slower: said once, not for every call.
   static std::once_flag once;
   if (!error.empty()) {
@@ -154,7 +211,7 @@ bool Communicator::host_shared_all_gather(const torch::Tensor& input, const torc
       if (m != rank_ || !in_place) detail::stream_copy(out + m * slice, members.at[m], slice);
     }
   }
-  run_barrier(call);
+  barrier_on_host(call);
   ++stats_.host_shared_calls;
   detail::peer_traffic().all_gather += static_cast<int64_t>((size_ - 1) * slice);
   return true;
@@ -165,7 +222,7 @@ bool Communicator::host_shared_reduce_scatter(const torch::Tensor& input, const 
   const auto members = map_members({input}, call);
   if (members.at.empty()) return false;
   reduce_members(output.view(-1), members.at, rank_ * output.numel(), op, /*to_all=*/false);
-  run_barrier(call);
+  barrier_on_host(call);
   ++stats_.host_shared_calls;
   detail::peer_traffic().reduction += (size_ - 1) * static_cast<int64_t>(output.nbytes());
   return true;
@@ -176,7 +233,7 @@ bool Communicator::host_shared_all_reduce(const torch::Tensor& flat, ReduceOp op
   if (members.at.empty()) return false;
   const auto bounds = detail::even_bounds(flat.numel(), size_);
   reduce_members(detail::segment(flat, bounds, rank_), members.at, bounds[rank_], op, /*to_all=*/true);
-  run_barrier(call);
+  barrier_on_host(call);
   ++stats_.host_shared_calls;
   // Segment rank_ of every peer, read and then written.
   detail::peer_traffic().reduction += 2 * (size_ - 1) * (bounds[rank_ + 1] - bounds[rank_]) * flat.element_size();

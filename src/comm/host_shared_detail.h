@@ -34,6 +34,11 @@ size_t pooled_host_shared_bytes();
 /// call first unmaps the blocks that owner has freed since. Thread-safe.
 char* map_host_shared(const SharedRange& range, std::string& error);
 
+/// Maps [offset, offset + bytes) of memory file `fd` of process `pid` on this host, shared: at
+/// `where` (replacing what is mapped there) unless that is null. Null with the reason in `error`.
+void* map_process_file(int pid, int fd, uint64_t offset, size_t bytes, bool writable, void* where,
+                       std::string& error);
+
 /// Bytes this process has moved through peers' host-shared buffers in collectives (read from
 /// them or written to them), process-wide: what those collectives move instead of messages.
 /// Benchmarks count them beside MPI's traffic.

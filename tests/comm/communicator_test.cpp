@@ -182,6 +182,13 @@ TEST(Communicator, HostSharedBuffersAreReadInPlace) {
   // rank): 7 sizes with data × (28 dtype-op pairs of all_reduce + 8 dtypes × (2 + 1 + 2)
   // all_gathers + 28 of reduce_scatter).
   EXPECT_EQ(c.stats().host_shared_calls, c.size() > 1 ? 7 * (28 + 40 + 28) : 0);
+  // They met three times each in host-shared memory, not through the transport, and once each
+  // the 7 × 8 allocating all_gathers of private inputs, which found no buffer shared by all; a
+  // barrier meets once.
+  const int64_t meetings = c.size() > 1 ? 3 * c.stats().host_shared_calls + 7 * 8 : 0;
+  EXPECT_EQ(c.stats().host_meetings, meetings);
+  c.barrier();
+  EXPECT_EQ(c.stats().host_meetings, meetings + (c.size() > 1 ? 1 : 0));
 }
 
 TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
@@ -200,7 +207,9 @@ TEST(Communicator, HostSharedPathNeedsEveryRanksBuffer) {
                                                       .ring_threshold_bytes = 1, .host_shared = false});
   auto& off = *off_owner;
   check_all_reduce(off, {1023}, host_shared);
+  off.barrier();
   EXPECT_EQ(off.stats().host_shared_calls, 0);
+  EXPECT_EQ(off.stats().host_meetings, 0);
 }
 
 TEST(Communicator, HostSharedAllGatherInPlace) {

@@ -3,6 +3,8 @@
 // --enable-recovery` (so the launcher leaves the survivors running and they must notice the
 // death themselves) and checks what they print. Two scenarios, by the first argument:
 //   collective  rank 2 dies in the middle of a stream of collectives;
+//   host_shared the same with host-shared tensors, whose members meet in shared memory
+//               (comm/host_rendezvous.h) instead of the transport, and with barriers;
 //   create      rank 2 dies before the others make new communicators from groups that hold it
 //               (dup, then split): creating a communicator has the same deadline as any wait.
 #include <ztrain/ztrain.h>
@@ -58,11 +60,13 @@ int main(int argc, char** argv) {
         std::raise(SIGKILL);
       }).detach();
     }
-    auto t = torch::ones({1 << 20}, rt.device());
-    const bool ok = expect_fault("collective", rt.rank(), [&](auto& last_success) {
+    const bool shared = mode == "host_shared";
+    auto t = shared ? ztrain::host_shared_empty({1 << 20}).fill_(1) : torch::ones({1 << 20}, rt.device());
+    const bool ok = expect_fault(mode.c_str(), rt.rank(), [&](auto& last_success) {
       const auto give_up = clock_type::now() + 60s;
       while (clock_type::now() < give_up) {
         rt.world().all_reduce(t, ztrain::ReduceOp::kAvg);
+        if (shared) rt.world().barrier();
         last_success = clock_type::now();
       }
     });

@@ -46,6 +46,10 @@
 
 namespace ztrain {
 
+namespace detail {
+class HostRendezvous;
+}
+
 struct CommunicatorOptions {
   /// The group's name in messages ("world", "tp", "dp", "pp", ...).
   std::string name = "world";
@@ -79,6 +83,10 @@ struct CommStats {
   int64_t calls = 0;
   /// Collectives that read the members' host-shared buffers directly (comm/host_shared.h).
   int64_t host_shared_calls = 0;
+  /// Meetings of the members in host-shared memory, which take no transport call: three for
+  /// each host-shared collective (two exchanges and a barrier), one for each barrier() of
+  /// members that share a host.
+  int64_t host_meetings = 0;
   /// Collectives run in two levels, within and across hosts (CommunicatorOptions::hierarchical).
   int64_t hierarchical_calls = 0;
   /// Bytes of tensors staged through the transport's device (copied there, back, or both).
@@ -213,6 +221,8 @@ class Communicator {
     }
   }
   [[noreturn]] void fail(const std::string& what, const char* op, int peer);
+  // The failure of a wait that ran out of time: `peer` (or else "a member") did not take part.
+  [[noreturn]] void timed_out(const char* op, int peer);
   std::unique_ptr<Communicator> adopt(std::unique_ptr<PendingTransport> pending, const char* op,
                                       const std::string& name);
   // Where the members run, from their host identities (in group order).
@@ -248,6 +258,15 @@ class Communicator {
     std::vector<char*> at;
   };
   Members map_members(const std::vector<torch::Tensor>& buffers, const char* call);
+  // Their synchronisation, and barrier()'s: at the members' meeting point in host-shared memory
+  // (src/comm/host_rendezvous.h), else the control collectives and the transport's barrier.
+  // rendezvous() makes the meeting point at its first call (collective) where the members share
+  // a host and host-shared memory is on; null where it cannot be made. exchange_on_host gathers
+  // `bytes` from each member (member m's at all + m * bytes).
+  detail::HostRendezvous* rendezvous(const char* call);
+  void exchange_on_host(const void* mine, void* all, size_t bytes, const char* call);
+  void barrier_on_host(const char* call);
+  void meet_on_host(const void* mine, size_t bytes, const char* call);
   void reduce_members(const torch::Tensor& dst, const std::vector<char*>& members, int64_t offset, ReduceOp op,
                       bool to_all);
   bool host_shared_all_gather(const torch::Tensor& input, const torch::Tensor& output, bool in_place,
@@ -283,6 +302,8 @@ class Communicator {
   // members (0 when the hosts differ in count).
   std::vector<int> by_host_;
   int per_host_ = 0;
+  std::unique_ptr<detail::HostRendezvous> rendezvous_;
+  bool rendezvous_tried_ = false;
   Levels levels_;  // made at the first two-level collective
   std::map<c10::ScalarType, torch::Tensor> level_scratch_;
   int64_t sequence_ = 0;     // collectives issued, for debug messages
