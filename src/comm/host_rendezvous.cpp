@@ -2,6 +2,8 @@
 
 #include "host_shared_detail.h"
 
+#include <ztrain/error.h>
+
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -102,7 +104,8 @@ bool arrived(char* base, int m, uint32_t meeting) {
 bool HostRendezvous::meet(const void* mine, size_t bytes, std::chrono::milliseconds timeout) {
   using clock = std::chrono::steady_clock;
   const uint32_t meeting = ++meetings_;
-  if (bytes > 0) std::memcpy(const_cast<char*>(said(member_)), mine, std::min(bytes, kSlotBytes));
+  ZTRAIN_INTERNAL_ASSERT(bytes <= kSlotBytes);
+  if (bytes > 0) std::memcpy(slot(meeting, member_), mine, bytes);
   __atomic_store_n(arrival_word(base_, member_), meeting, __ATOMIC_RELEASE);
   __atomic_add_fetch(wake_word(base_), 1, __ATOMIC_SEQ_CST);
   futex(wake_word(base_), FUTEX_WAKE, INT_MAX, nullptr);
@@ -130,9 +133,11 @@ bool HostRendezvous::meet(const void* mine, size_t bytes, std::chrono::milliseco
   }
 }
 
-const char* HostRendezvous::said(int m) const {
-  return base_ + data_offset(members_) + ((meetings_ & 1) * members_ + m) * kSlotBytes;
+char* HostRendezvous::slot(uint32_t meeting, int m) const {
+  return base_ + data_offset(members_) + ((meeting & 1) * members_ + m) * kSlotBytes;
 }
+
+const char* HostRendezvous::said(int m) const { return slot(meetings_, m); }
 
 std::vector<int> HostRendezvous::absent() const {
   std::vector<int> out;

@@ -51,6 +51,7 @@ class HostRendezvous {
 
  private:
   HostRendezvous(char* base, size_t bytes, int fd, int members, int member);
+  char* slot(uint32_t meeting, int m) const;  // member m's, for that meeting
 
   char* base_;
   size_t bytes_;
