@@ -1,7 +1,7 @@
 // A rank dies; the survivors must fail with a clear CommError within twice the communication
 // timeout instead of hanging. Run by fault_test.sh, which launches three ranks with `mpirun
 // --enable-recovery` (so the launcher leaves the survivors running and they must notice the
-// death themselves) and checks what they print. Two scenarios, by the first argument:
+// death themselves) and checks what they print. Three scenarios, by the first argument:
 //   collective  rank 2 dies in the middle of a stream of collectives;
 //   host_shared the same with host-shared tensors, whose members meet in shared memory
 //               (comm/host_rendezvous.h) instead of the transport, and with barriers;
