@@ -38,6 +38,11 @@ namespace {
 // steps of a sum over more than two members).
 constexpr int64_t kReduceChunkBytes = int64_t{256} << 10;
 
+// A fallback that is correct, only slower: said once per cause, not for every call or communicator.
+void say_once(std::once_flag& once, const std::string& message) {
+  std::call_once(once, [&] { std::cerr << message << std::endl; });
+}
+
 torch::Tensor view_of(const char* data, int64_t numel, c10::ScalarType dtype) {
   return torch::from_blob(const_cast<char*>(data), {numel}, torch::dtype(dtype));
 }
@@ -59,14 +64,10 @@ detail::HostRendezvous* Communicator::rendezvous(const char* call) {
   control_all_reduce(torch::from_blob(&made, {1}, torch::kInt32), ReduceOp::kMin, call);
   if (made) return rendezvous_.get();
   rendezvous_.reset();
-  // Correct either way, only slower: said once, not for every communicator.
   static std::once_flag once;
   if (!error.empty()) {
-    std::call_once(once, [&] {
-      std::cerr << "ztrain: " << call << " on communicator '" << name() << "': " << error
-                << "; the members of collectives on host-shared buffers meet through the transport instead"
-                << std::endl;
-    });
+    say_once(once, c10::str("ztrain: ", call, " on communicator '", name(), "': ", error,
+                            "; the members of collectives on host-shared buffers meet through the transport instead"));
   }
   return nullptr;
 }
@@ -149,14 +150,10 @@ Communicator::Members Communicator::map_members(const std::vector<torch::Tensor>
   std::vector<int32_t> everywhere(size_);
   exchange_on_host(&mapped, everywhere.data(), sizeof(mapped), call);
   if (*std::min_element(everywhere.begin(), everywhere.end())) return members;
-  // Correct either way, only slower: said once, not for every call.
   static std::once_flag once;
   if (!error.empty()) {
-    std::call_once(once, [&] {
-      std::cerr << "ztrain: " << call << " on communicator '" << name() << "' cannot map a peer's host-shared "
-                << "buffer (" << error << "); collectives on host-shared buffers take the transport instead"
-                << std::endl;
-    });
+    say_once(once, c10::str("ztrain: ", call, " on communicator '", name(), "' cannot map a peer's host-shared ",
+                            "buffer (", error, "); collectives on host-shared buffers take the transport instead"));
   }
   return {};
 }
