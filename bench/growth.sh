@@ -13,18 +13,18 @@
 #
 #   --build DIR     ztrain's build directory (default build/; configured and built if needed)
 #   --results DIR   where the JSON lines and logs go (default BUILD/growth)
-#   --widths        the model widths (default "512 1024 2048 4096 4608 5120")
+#   --widths        the model widths (default "512 1024 2048 4096 4608 5120 5632")
 #   --steps N       timed steps per run, after 1 warm-up (default 3)
 #   --docs          write the section of docs/benchmarks.md between <!-- growth:begin --> and
 #                   <!-- growth:end --> and docs/img/bench_growth.png
 #
-# Needs root (cgroups). About 30 minutes with the defaults on the 2-core development machine.
+# Needs root (cgroups). 25-40 minutes with the defaults on the 2-core development machines.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=$root/build
 results='' docs=0 limit_gib='' steps=3
-widths="512 1024 2048 4096 4608 5120"
+widths="512 1024 2048 4096 4608 5120 5632"
 while (($#)); do
   case $1 in
     --build) build=$(realpath -m "$2"); shift 2 ;;

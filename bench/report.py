@@ -530,15 +530,19 @@ def growth_section(rows, img):
         f"GPT of {r0['model']['layers']} layers and width d (d/64 heads, byte vocabulary), context "
         f"{r0['model']['context']}, batch {r0['batch']} × sequence {r0['seq']} per rank, fp32, AdamW, one intra-op "
         f"thread per rank; ZeRO level 3 at 1, 2 and 4 ranks and level 0 at 2 ranks; {r0['steps']} timed steps after "
-        f"{r0['warmup']} warm-up, step time the median (max over ranks). The 4-rank runs oversubscribe the 2 cores: "
-        "their matmul peak, measured with all ranks at once, is about half a core's, and so is their compute-bound "
-        "line. Each run is one process tree in a memory cgroup limited to the machine's memory less 1 GiB; a size "
-        "the kernel killed there does not fit, and its series stops. Theory beside each measure: **compute-bound "
-        "step**, the model FLOPs of a rank's tokens (`GptConfig::flops_per_token`) at the fp32 matmul peak measured "
-        "at the start of the same run; **bytes** a rank moves per step (gathers and reductions, in place or sent), "
-        "by the ring formulas 2·(N−1)/N·4Ψ at level 0 and 3·(N−1)/N·4Ψ at level 3; **model state** per rank by the "
-        "design formula (16Ψ at level 0, 16Ψ/N at level 3). Peak RSS adds libtorch, MPI, activations and the "
-        "gathered blocks to the model state.")
+        f"{r0['warmup']} warm-up, step time the median (max over ranks). The 4-rank runs oversubscribe the 2 cores, "
+        "so a rank has about half a core; their peak is measured with all ranks at once, but its short square matmuls"
+        " can run at a whole core's rate, and then their compute-bound line and share of the peak compare half a core"
+        " with a whole one. Each run is one process tree in a memory cgroup limited to the machine's memory less 1 "
+        "GiB; a size the kernel killed there does not fit, and its series stops. Theory beside each measure: "
+        "**compute-bound step**, the model FLOPs of a rank's tokens (`GptConfig::flops_per_token`) at the fp32 matmul"
+        " peak measured at the start of the same run; **bytes** a rank moves per step (gathers and reductions, in "
+        "place or sent), by the ring formulas (`sent_theory`): a reduce-scatter and an all-gather of the 4Ψ bytes of "
+        "the parameters, 2·(N−1)/N·4Ψ, and at level 3 a second all-gather for backward of all blocks but the last; "
+        "parameters whose full buffers map the ranks' shards (level 3 with every rank on one host) are reduced but "
+        "never gathered, so there the bytes fall to about (N−1)/N·4Ψ; **model state** per rank by the design formula "
+        "(16Ψ at level 0, 16Ψ/N at level 3). Peak RSS adds libtorch, MPI, activations and the gathered (on one host, "
+        "mapped) blocks to the model state, and counts the pages ranks share in each one's.")
     body = []
     for (level, n), rs in series.items():
         for r in rs:
