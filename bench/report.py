@@ -20,6 +20,11 @@ import sys
 BEGIN, END = "<!-- run_all:begin -->", "<!-- run_all:end -->"
 MB = 1e6
 
+# The final losses of runs that must be the same, relative: ztrain's levels among themselves, and
+# against plain libtorch's GPT, whose tied table's gradient is summed in another order.
+SAME_LOSS = 1e-7
+PLAIN_LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
+
 # Goals of the issue, checked against the measurements.
 GOAL_L0_VS_DDP = 1.10
 GOAL_L3_VS_DDP = 1.00
@@ -237,24 +242,32 @@ def peers_section(rows, img):
                     goals.append((preset, dtype, level, peer, goal, ratio))
         out.append(table(["system", "dtype", "tokens/s, 1 rank", "÷ DDP", "tokens/s, 2 ranks", "÷ DDP", "÷ plain",
                           "loss, 2 ranks"], body))
-    diffs = []  # (what, largest absolute difference of the final losses)
+    # (what, the largest difference of the final losses, relative, and the most it may be)
+    diffs = []
     for preset in presets:
         for dtype in ("fp32", "bf16"):
             plain = idx.get((preset, 1, dtype, "plain"))
-            ones = [idx[k]["loss_last"] for k in idx if k[:3] == (preset, 1, dtype) and k[3].startswith("ztrain")]
-            twos = [idx[k]["loss_last"] for k in idx if k[:3] == (preset, 2, dtype) and k[3].startswith("ztrain")]
-            if plain and ones:
-                diffs.append((f"{preset} {dtype}, 1 rank, against plain libtorch",
-                              max(abs(v - plain["loss_last"]) for v in ones)))
-            if len(twos) > 1:
-                diffs.append((f"{preset} {dtype}, 2 ranks, among the levels", max(twos) - min(twos)))
+            for n in (1, 2):
+                levels = [idx[k]["loss_last"] for k in idx if k[:3] == (preset, n, dtype) and k[3].startswith("ztrain")]
+                if len(levels) > 1:
+                    diffs.append((f"{preset} {dtype}, {n} rank{'s' if n > 1 else ''}, among the levels",
+                                  (max(levels) - min(levels)) / abs(min(levels)), SAME_LOSS))
+                if n == 1 and plain and levels:
+                    diffs.append((f"{preset} {dtype}, 1 rank, against plain libtorch",
+                                  max(abs(v - plain["loss_last"]) for v in levels) / abs(plain["loss_last"]),
+                                  PLAIN_LOSS_TOLERANCE[dtype]))
     if diffs:
-        same = all(d <= 1e-6 for _, d in diffs)
-        out += ["", "Verification: the final losses of ztrain's levels 0–3 "
-                + ("are identical at 1 rank to plain libtorch's and at 2 ranks to each other (same weights and data: "
-                   "the engine trains exactly what plain libtorch trains)." if same else
-                   "differ: " + "; ".join(f"{w} by {d:.3g}" for w, d in diffs if d > 1e-6)
-                   + " (expected identical: same weights and data).")]
+        bad = [(w, d, t) for w, d, t in diffs if d > t]
+        against = [f"{w.split(',')[0]} {d:.1e}" for w, d, t in diffs if "plain" in w]
+        out += ["", "Verification: " + (
+            "the final losses of ztrain's levels 0–3 are identical to each other at 1 and at 2 ranks, and at 1 rank "
+            f"within {PLAIN_LOSS_TOLERANCE['fp32']:.0e} (fp32) and {PLAIN_LOSS_TOLERANCE['bf16']:.0e} (bf16) of plain "
+            f"libtorch's, relative ({', '.join(against)}). Same weights and data, and every gradient the same bit for "
+            "bit but the tied table's, which ztrain's GPT sums in another order: the head's product made in its "
+            "place and the lookup's rows added into it (`Gpt.GradientsArePlainGpts`, tests/models/gpt_test.cpp)."
+            if not bad else
+            "the final losses differ: " + "; ".join(f"{w} by {d:.3g} relative (at most {t:.0e})" for w, d, t in bad)
+            + " (same weights and data).")]
     out += ["", f"![tokens/s at 2 ranks]({img}/bench_peers.png)", ""]
     out += ["**Goals** (2 ranks, same model and dtype): ztrain level 0 ≥ "
             f"{GOAL_L0_VS_DDP:.1f}× and level 3 ≥ {GOAL_L3_VS_DDP:.1f}× the tokens/s of PyTorch DDP, level 3 ≥ "
