@@ -411,19 +411,25 @@ def efficiency_section(rows, results):
            else " bf16 matmuls run on the CPU's AMX/AVX-512 BF16 units through oneDNN, hence their much higher peak."
            if any(r["dtype"] == "bf16" for r in rows) else ""))
     sel = [r for r in rows if r["tag"] == "peer" and r.get("matmul")]
-    body, goals = [], []
+    body, goals, disturbed = [], [], 0
     largest = max((r["params"] for r in sel), default=0)
     for r in sorted(sel, key=lambda r: (r["params"], r["ranks"], r["dtype"], key(r))):
         mm = r["matmul"][r["dtype"]]
         eff = r["model_gflops_per_rank"] / mm["peak_gflops"]
+        of_shape = r["model_gflops_per_rank"] / mm["model_shape_gflops"]
+        mark = lambda share: f"{100 * share:.1f}%" + (" †" if share > 1 else "")
         body.append([r["model"]["preset"], r["dtype"], r["ranks"], dict(SYSTEMS)[key(r)], f"{r['model_gflops_per_rank']:.1f}",
-                     f"{mm['peak_gflops']:.0f}", f"{mm['model_shape_gflops']:.0f}", f"{100 * eff:.1f}%",
-                     f"{100 * r['model_gflops_per_rank'] / mm['model_shape_gflops']:.1f}%"])
-        if r["dtype"] == "bf16" and r["params"] == largest and r["system"] == "ztrain":
+                     f"{mm['peak_gflops']:.0f}", f"{mm['model_shape_gflops']:.0f}", mark(eff), mark(of_shape)])
+        disturbed += eff > 1 or of_shape > 1
+        if r["dtype"] == "bf16" and r["params"] == largest and r["system"] == "ztrain" and eff <= 1:
             goals.append((r["ranks"], eff))
     out += ["", configs(sel)]
     out += ["", table(["model", "dtype", "ranks", "system", "model GFLOP/s per rank", "peak GFLOP/s",
                        "model-shape GFLOP/s", "÷ peak", "÷ model shape"], body)]
+    if disturbed:
+        out += ["", "† Above 100%: the step ran faster than the matmul peak its own process measured, so that "
+                    "probe was slowed while it timed its matmuls and the share means nothing; the goal leaves such a "
+                    "run out."]
     ok = goals and all(e >= GOAL_BF16_EFFICIENCY for _, e in goals)
     goal = f"**Goal**: bf16 ≥ {100 * GOAL_BF16_EFFICIENCY:.0f}% of the measured matmul peak for the larger model: "
     out += ["", goal + (f"{verdict(bool(ok))} (" + ", ".join(f"{n} rank{'s' if n > 1 else ''}: {100 * e:.1f}%"
