@@ -413,11 +413,11 @@ def efficiency_section(rows, results):
     sel = [r for r in rows if r["tag"] == "peer" and r.get("matmul")]
     body, goals, disturbed = [], [], 0
     largest = max((r["params"] for r in sel), default=0)
+    mark = lambda share: f"{100 * share:.1f}%" + (" †" if share > 1 else "")  # † above the peak: see below
     for r in sorted(sel, key=lambda r: (r["params"], r["ranks"], r["dtype"], key(r))):
         mm = r["matmul"][r["dtype"]]
         eff = r["model_gflops_per_rank"] / mm["peak_gflops"]
         of_shape = r["model_gflops_per_rank"] / mm["model_shape_gflops"]
-        mark = lambda share: f"{100 * share:.1f}%" + (" †" if share > 1 else "")
         body.append([r["model"]["preset"], r["dtype"], r["ranks"], dict(SYSTEMS)[key(r)], f"{r['model_gflops_per_rank']:.1f}",
                      f"{mm['peak_gflops']:.0f}", f"{mm['model_shape_gflops']:.0f}", mark(eff), mark(of_shape)])
         disturbed += eff > 1 or of_shape > 1
@@ -550,14 +550,14 @@ def growth_section(rows, img):
         f"{r0['model']['context']}, batch {r0['batch']} × sequence {r0['seq']} per rank, fp32, AdamW, one intra-op "
         f"thread per rank; ZeRO level 3 at 1, 2 and 4 ranks and level 0 at 2 ranks; {r0['steps']} timed steps after "
         f"{r0['warmup']} warm-up, step time the median (max over ranks). The 4-rank runs oversubscribe the 2 cores, "
-        "so a rank has about half a core; their peak is measured with all ranks at once, but its short square matmuls"
-        " can run at a whole core's rate, and then their compute-bound line and share of the peak compare half a core"
-        " with a whole one. Each run is one process tree in a memory cgroup limited to the machine's memory less 1 "
-        "GiB; a size the kernel killed there does not fit, and its series stops. Theory beside each measure: "
-        "**compute-bound step**, the model FLOPs of a rank's tokens (`GptConfig::flops_per_token`) at the fp32 matmul"
-        " peak measured at the start of the same run; **bytes** a rank moves per step (gathers and reductions, in "
-        "place or sent), by the ring formulas (`sent_theory`): a reduce-scatter and an all-gather of the 4Ψ bytes of "
-        "the parameters, 2·(N−1)/N·4Ψ, and at level 3 a second all-gather for backward of all blocks but the last; "
+        "so a rank has about half a core; their peak is measured with all ranks at once, but its short square matmuls "
+        "can run at a whole core's rate, and then their compute-bound line and share of the peak compare half a core "
+        "with a whole one. Each run is one process tree in a memory cgroup limited to the machine's memory less 1 GiB; "
+        "a size the kernel killed there does not fit, and its series stops. Theory beside each measure: "
+        "**compute-bound step**, the model FLOPs of a rank's tokens (`GptConfig::flops_per_token`) at the fp32 matmul "
+        "peak measured at the start of the same run; **bytes** a rank moves per step (gathers and reductions, in place "
+        "or sent), by the ring formulas (`sent_theory`): a reduce-scatter and an all-gather of the 4Ψ bytes of the "
+        "parameters, 2·(N−1)/N·4Ψ, and at level 3 a second all-gather for backward of all blocks but the last; "
         "parameters whose full buffers map the ranks' shards (level 3 with every rank on one host) are reduced but "
         "never gathered, so there the bytes fall to about (N−1)/N·4Ψ; **model state** per rank by the design formula "
         "(16Ψ at level 0, 16Ψ/N at level 3). Peak RSS adds libtorch, MPI, activations and the gathered (on one host, "
