@@ -417,6 +417,9 @@ int run(const Args& a) {
       // how the 16-bit matmuls ran on the CPU: libtorch's kernels or through fp32 (src/cpu_matmul16.cpp)
       {"cpu_matmul16", !device.is_cpu() || config.dtype == torch::kFloat32 ? json()
                        : json(ztrain::detail::cpu_matmul_through_fp32(config.dtype) ? "fp32" : "native")},
+      // and the attention: libtorch's 16-bit kernel or the fused one on the widening (models/fused.h)
+      {"cpu_attention16", !device.is_cpu() || config.dtype == torch::kFloat32 ? json()
+                          : json(ztrain::models::detail::attention_widened(config.dtype) ? "fp32" : "native")},
       {"ranks", n},
       {"threads", rt.threads()},
       {"model", {{"vocab", config.vocab_size}, {"context", config.context}, {"d_model", config.d_model},

@@ -97,16 +97,23 @@ std::atomic<uint64_t> widened_calls{0};
 
 }  // namespace
 
+Matmul16Mode cpu_matmul16_mode() {
+  const char* env = std::getenv("ZTRAIN_CPU_MATMUL16");
+  const std::string mode = env && *env ? env : "auto";
+  if (mode == "auto") return Matmul16Mode::kAuto;
+  if (mode == "fp32") return Matmul16Mode::kFp32;
+  ZTRAIN_CHECK(mode == "native", "ZTRAIN_CPU_MATMUL16 must be auto, fp32 or native, got '", mode, "'");
+  return Matmul16Mode::kNative;
+}
+
 bool cpu_matmul_through_fp32(at::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
   auto& slot = widen_16bit[dtype == at::kHalf];
   int widen = slot.load(std::memory_order_relaxed);
   if (widen < 0) {
-    const char* env = std::getenv("ZTRAIN_CPU_MATMUL16");
-    const std::string mode = env && *env ? env : "auto";
-    ZTRAIN_CHECK(mode == "auto" || mode == "fp32" || mode == "native",
-                 "ZTRAIN_CPU_MATMUL16 must be auto, fp32 or native, got '", mode, "'");
-    widen = mode == "fp32" || (mode == "auto" && (!has_own_kernel(dtype) || widening_is_faster(dtype)));
+    const auto mode = cpu_matmul16_mode();
+    widen = mode == Matmul16Mode::kFp32 ||
+            (mode == Matmul16Mode::kAuto && (!has_own_kernel(dtype) || widening_is_faster(dtype)));
     slot.store(widen, std::memory_order_relaxed);
   }
   return widen != 0;

@@ -12,6 +12,11 @@
 
 namespace ztrain::detail {
 
+/// ZTRAIN_CPU_MATMUL16 as set now: auto (also when unset or empty), fp32 or native. Throws
+/// ztrain::Error naming any other value.
+enum class Matmul16Mode { kAuto, kFp32, kNative };
+Matmul16Mode cpu_matmul16_mode();
+
 /// Whether mm (and mm_out), addmm, bmm, baddbmm and the CPU flash attention on operands of this
 /// dtype run through fp32 in this process (never for a dtype other than bf16 and fp16). Throws
 /// ztrain::Error naming a ZTRAIN_CPU_MATMUL16 other than the three.

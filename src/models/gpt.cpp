@@ -1,7 +1,6 @@
 #include <ztrain/models/gpt.h>
 
 #include <ztrain/comm/functional.h>
-#include <ztrain/cpu_matmul16.h>
 #include <ztrain/error.h>
 #include <ztrain/models/fused.h>
 #include <ztrain/runtime/init.h>
@@ -106,12 +105,12 @@ torch::Tensor GptAttentionImpl::forward(const torch::Tensor& x) {
   const double p = is_training() ? attn_dropout->options.p() : 0.0;
   torch::Tensor y;
   // models::packed_attention is libtorch's scaled_dot_product_attention where its own kernel does
-  // not take the tensors: 16-bit types on the CPU, unless this process runs their matmuls through
-  // fp32 (then the kernel runs on them widened). libtorch's CPU attention with dropout is its
-  // unfused path, which draws the masks with bernoulli_, so there 16-bit types with dropout take
-  // the eager path below, which computes the same with the fused dropout in less time.
+  // not take the tensors: 16-bit types on the CPU, unless the kernel runs on them widened
+  // (models::detail::attention_widened). libtorch's CPU attention with dropout is its unfused
+  // path, which draws the masks with bernoulli_, so there 16-bit types with dropout take the
+  // eager path below, which computes the same with the fused dropout in less time.
   const bool kernel = !x.device().is_cpu() || x.scalar_type() == torch::kFloat ||
-                      ztrain::detail::cpu_matmul_through_fp32(x.scalar_type());
+                      models::detail::attention_widened(x.scalar_type());
   if (fused && (p == 0 || kernel)) {
     y = models::packed_attention(packed, p, /*causal=*/true);  // its gradient in c_attn's layout
   } else {

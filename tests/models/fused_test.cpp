@@ -599,7 +599,7 @@ TEST(Attention, SharedKeyHeadsWithDropoutInAnyThreadsAndTwiceDifferentiated) {
   for (size_t i = 0; i < 3; ++i) EXPECT_LT(max_error(results[0][i], results[1][i]), 1e-3) << kOutputs[i + 1];
 }
 
-TEST(Attention, SixteenBitWidenedWhereItsMatmulsAre) {
+TEST(Attention, SixteenBitWidenedWhereChosen) {
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     SCOPED_TRACE(c10::toString(dtype));
     torch::manual_seed(23);
@@ -607,9 +607,9 @@ TEST(Attention, SixteenBitWidenedWhereItsMatmulsAre) {
     const auto wide = leaf.detach().to(torch::kFloat).requires_grad_();
     const auto qkv = leaf.permute({2, 0, 3, 1, 4}).unbind(0), qkv_wide = wide.permute({2, 0, 3, 1, 4}).unbind(0);
     const auto dy = torch::randn({2, 3, 100, 16}).to(dtype);
-    // Where this process's 16-bit matmuls run through fp32: the fused kernel on the widened
-    // operands, dropout included, and the output and the gradient rounded once.
-    ztrain::detail::set_cpu_matmul_through_fp32(true);
+    // Widened: the fused kernel on the widened operands, dropout included, and the output and the
+    // gradient rounded once.
+    models::detail::set_attention_widened(true);
     torch::manual_seed(24);
     const auto got = with_grads(models::attention(qkv[0], qkv[1], qkv[2], 0.2, true), {leaf}, dy);
     torch::manual_seed(24);
@@ -619,12 +619,39 @@ TEST(Attention, SixteenBitWidenedWhereItsMatmulsAre) {
       EXPECT_EQ(got[i].scalar_type(), dtype);
       EXPECT_TRUE(torch::equal(got[i], want[i].to(dtype))) << i;
     }
-    // Where they run in libtorch's own kernels: libtorch's attention in that dtype.
-    ztrain::detail::set_cpu_matmul_through_fp32(false);
+    // Not widened: libtorch's attention in that dtype.
+    models::detail::set_attention_widened(false);
     EXPECT_TRUE(torch::equal(models::attention(qkv[0], qkv[1], qkv[2], 0.0, true),
                              at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, 0.0, true)));
-    ztrain::detail::set_cpu_matmul_through_fp32(std::nullopt);
+    models::detail::set_attention_widened(std::nullopt);
   }
+}
+
+// The choice: widened wherever the process's 16-bit matmuls are, never under
+// ZTRAIN_CPU_MATMUL16=native, and timed under auto where the matmuls are libtorch's; never for
+// other dtypes. Timing leaves the random generator as it was.
+TEST(Attention, WideningFollowsTheMatmulsOrIsTimed) {
+  const auto choose = [](std::optional<bool> matmuls, torch::ScalarType dtype) {
+    ztrain::detail::set_cpu_matmul_through_fp32(matmuls);
+    models::detail::set_attention_widened(std::nullopt);
+    return models::detail::attention_widened(dtype);
+  };
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    EXPECT_TRUE(choose(true, dtype));
+    setenv("ZTRAIN_CPU_MATMUL16", "native", 1);
+    EXPECT_FALSE(choose(std::nullopt, dtype));
+    unsetenv("ZTRAIN_CPU_MATMUL16");
+    torch::manual_seed(3);
+    const auto expected = torch::randn({8});
+    torch::manual_seed(3);
+    EXPECT_NO_THROW(choose(false, dtype));
+    EXPECT_TRUE(torch::equal(torch::randn({8}), expected));
+  }
+  EXPECT_FALSE(choose(true, torch::kFloat));
+  EXPECT_FALSE(choose(true, torch::kDouble));
+  ztrain::detail::set_cpu_matmul_through_fp32(std::nullopt);
+  models::detail::set_attention_widened(std::nullopt);
 }
 
 // packed_attention: the bits of attention() on the unbound views, output and gradient, with and

@@ -52,8 +52,8 @@ torch::Tensor dropout(const torch::Tensor& x, double p, bool train);
 /// enable_gqa any divisor of h, query head i then attending with key head i / (h / h_kv)), fused
 /// where it can be: float tensors on the CPU with a positive finite scale (default 1 / √d),
 /// except up to 64 keys without dropout, where libtorch's kernel costs less per call; bf16 and
-/// fp16 ones where this process runs their matmuls through fp32 (ztrain/cpu_matmul16.h), widened
-/// for it and the output rounded once.
+/// fp16 ones where detail::attention_widened says so, widened for it and the output and the
+/// gradients rounded once.
 /// It computes softmax(q kᵀ · scale) v a block of 64 queries at a time, with the causal mask (query
 /// i sees keys 0 … i) and dropout applied to each block's probabilities in cache, and keeps for
 /// backward only each query's log-sum-exp, no [t_q, t_k] matrix; key heads shared by several
@@ -91,6 +91,15 @@ Simd fused_simd();
 void set_fused_simd(Simd simd);
 /// Whether this CPU runs `simd`.
 bool cpu_runs(Simd simd);
+
+/// Whether attention on CPU tensors of this 16-bit type runs the fused kernel on their widening,
+/// in this process: where its matmuls run through fp32 (ztrain/cpu_matmul16.h), and, with
+/// ZTRAIN_CPU_MATMUL16 auto, where the first such call times the fused kernel on the widened
+/// operands at least 1.1× as fast as libtorch's own kernel in the type, forward and backward
+/// (about 40 ms once; on a Zen 4 core 1.7× at GPT-2's 256 tokens); never for other dtypes. The
+/// setter is for tests and benchmarks; nullopt chooses again at the next call.
+bool attention_widened(c10::ScalarType dtype);
+void set_attention_widened(std::optional<bool> widen);
 
 /// Philox4x32-10 on one counter under one key, as dropout's masks use it (dropout.cpp).
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
