@@ -45,20 +45,22 @@ def attention(args, batch, heads, kv_heads):
     linear makes them; with fewer, each key and value head serves its group of query heads
     (enable_gqa; the materialised form repeats them)."""
     group = heads // kv_heads
-    layout = f"{batch}x{heads}" + (f" on {kv_heads}" if group > 1 else "")
+    dtype = getattr(torch, args.attention_dtype)
+    layout = f"{batch}x{heads}" + (f" on {kv_heads}" if group > 1 else "") + \
+        ("" if dtype == torch.float32 else f" {args.attention_dtype}")
     print(f"{f'causal attention {layout}, ms a call':38} {'ztrain':>8} {'torch':>8} {'ratio':>6} | {'fwd+bwd':>8} "
           f"{'torch':>8} {'ratio':>6} | {'materialised':>12}")
     for t, p, simd in ((t, p, simd) for t in args.tokens for p in (0.0, args.p) for simd in args.simd):
         _C._set_fused_simd(simd)
         if group == 1:
-            qkv = torch.randn(batch, t, 3, heads, 64, requires_grad=True)
+            qkv = torch.randn(batch, t, 3, heads, 64, dtype=dtype, requires_grad=True)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             inputs = (qkv,)
         else:
-            q = torch.randn(batch, heads, t, 64, requires_grad=True)
-            k, v = (torch.randn(batch, kv_heads, t, 64, requires_grad=True) for _ in range(2))
+            q = torch.randn(batch, heads, t, 64, dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(batch, kv_heads, t, 64, dtype=dtype, requires_grad=True) for _ in range(2))
             inputs = (q, k, v)
-        mask = torch.full((t, t), -math.inf).triu(1)
+        mask = torch.full((t, t), -math.inf, dtype=dtype).triu(1)
 
         def ours():
             return ztrain.nn.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
@@ -71,7 +73,7 @@ def attention(args, batch, heads, kv_heads):
             scores = (q @ k.repeat_interleave(group, 1).transpose(-2, -1)) / 8 + mask
             return ztrain.nn.dropout(scores.softmax(-1), p) @ v.repeat_interleave(group, 1)
 
-        grad = torch.randn(batch, heads, t, 64)
+        grad = torch.randn(batch, heads, t, 64, dtype=dtype)
 
         def both(op):
             return lambda: torch.autograd.grad(op(), inputs, grad)
@@ -91,6 +93,9 @@ def main():
                              "(default: the widest this CPU has)")
     parser.add_argument("--tokens", type=int, nargs="*", default=[256, 1024],
                         help="sequence lengths of the causal attention cases")
+    parser.add_argument("--attention-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the attention cases' dtype (16-bit: ztrain's runs its kernel on the widening "
+                             "where its first call timed that faster, models::detail::attention_widened)")
     args = parser.parse_args()
     torch.manual_seed(0)
     vocab = 50257
