@@ -21,9 +21,11 @@ BEGIN, END = "<!-- run_all:begin -->", "<!-- run_all:end -->"
 MB = 1e6
 
 # The final losses of runs that must be the same, relative: ztrain's levels among themselves, and
-# against plain libtorch's GPT, whose tied table's gradient is summed in another order.
+# against plain libtorch's GPT, whose tied table's gradient is summed in another order. In bf16
+# each add of that sum rounds; after 13 steps the two losses have parted by 2.4e-4 (small, on a
+# Xeon) and 9.7e-4 (small, on a Zen 4 EPYC), relative: held to a bf16 rounding step, 2^-8.
 SAME_LOSS = 1e-7
-PLAIN_LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
+PLAIN_LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 2.0 ** -8}
 
 # Goals of the issue, checked against the measurements.
 GOAL_L0_VS_DDP = 1.10
