@@ -67,28 +67,13 @@ bool has_own_kernel(at::ScalarType dtype) {
 at::Tensor fp32(const at::Tensor& t) { return t.to(at::kFloat); }
 
 // Whether a square matmul in this 16-bit type runs at least 1.25 times as fast widened as in
-// libtorch's own kernel, each way at its best of seven, taking turns so that a burst of other load
-// slows both. The operands are constants: the random generator is left as it was.
+// libtorch's own kernel, each way at its best of seven. The operands are constants: the random
+// generator is left as it was.
 bool widening_is_faster(at::ScalarType dtype) {
   constexpr int64_t n = 512;
   const auto a = at::full({n, n}, 0.5, at::TensorOptions().dtype(dtype));
   const auto b = at::full({n, n}, 0.25, at::TensorOptions().dtype(dtype));
-  const auto native = [&] { at::cpu::mm(a, b); };
-  const auto widened = [&] { at::cpu::mm(fp32(a), fp32(b)).to(dtype); };
-  native();  // oneDNN generates its kernel on the first call
-  widened();
-  using Clock = std::chrono::steady_clock;
-  auto best_native = Clock::duration::max(), best_widened = best_native;
-  for (int i = 0; i < 7; ++i) {
-    auto start = Clock::now();
-    native();
-    best_native = std::min(best_native, Clock::now() - start);
-    start = Clock::now();
-    widened();
-    best_widened = std::min(best_widened, Clock::now() - start);
-  }
-  return 1.25 * std::chrono::duration<double>(best_widened).count() <
-         std::chrono::duration<double>(best_native).count();
+  return widening_pays([&] { at::cpu::mm(a, b); }, [&] { at::cpu::mm(fp32(a), fp32(b)).to(dtype); }, 1.25, 7);
 }
 
 // Per 16-bit type (0: bf16, 1: fp16): -1 not yet read from ZTRAIN_CPU_MATMUL16, else 0 or 1.
@@ -96,6 +81,24 @@ std::atomic<int> widen_16bit[2] = {-1, -1};
 std::atomic<uint64_t> widened_calls{0};
 
 }  // namespace
+
+bool widening_pays(const std::function<void()>& native, const std::function<void()>& widened, double margin,
+                   int rounds) {
+  native();  // oneDNN generates its kernels on the first call
+  widened();
+  using Clock = std::chrono::steady_clock;
+  auto best_native = Clock::duration::max(), best_widened = best_native;
+  for (int i = 0; i < rounds; ++i) {
+    auto start = Clock::now();
+    native();
+    best_native = std::min(best_native, Clock::now() - start);
+    start = Clock::now();
+    widened();
+    best_widened = std::min(best_widened, Clock::now() - start);
+  }
+  return margin * std::chrono::duration<double>(best_widened).count() <
+         std::chrono::duration<double>(best_native).count();
+}
 
 Matmul16Mode cpu_matmul16_mode() {
   const char* env = std::getenv("ZTRAIN_CPU_MATMUL16");

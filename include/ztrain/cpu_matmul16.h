@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 namespace ztrain::detail {
@@ -21,6 +22,12 @@ Matmul16Mode cpu_matmul16_mode();
 /// dtype run through fp32 in this process (never for a dtype other than bf16 and fp16). Throws
 /// ztrain::Error naming a ZTRAIN_CPU_MATMUL16 other than the three.
 bool cpu_matmul_through_fp32(at::ScalarType dtype);
+
+/// Whether `widened` runs at least `margin` times as fast as `native`: one untimed call of each,
+/// then each timed `rounds` times, taking turns so that a burst of other load slows both, and the
+/// best of each compared (the timed choices of the 16-bit matmuls and of models::attention).
+bool widening_pays(const std::function<void()>& native, const std::function<void()>& widened, double margin,
+                   int rounds);
 
 /// Sets the choice for both 16-bit types in this process (tests, benchmarks); nullopt reads
 /// ZTRAIN_CPU_MATMUL16 again at the next 16-bit matmul.

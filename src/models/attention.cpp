@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -526,8 +525,8 @@ struct PackedAttention : torch::autograd::Function<PackedAttention> {
 
 // Whether the fused kernel on widened operands, the widening and the rounding included, runs a
 // causal attention's forward and backward at least 1.1 times as fast as libtorch's own kernel in
-// this 16-bit type, each way at its best of five, taking turns: 1 × 4 heads × 256 tokens × 64,
-// about 40 ms on a Zen 4 core. The operands are constants: the random generator is left as it was.
+// this 16-bit type, each way at its best of five: 1 × 4 heads × 256 tokens × 64, about 40 ms on a
+// Zen 4 core. The operands are constants: the random generator is left as it was.
 bool widening_is_faster(at::ScalarType dtype) {
   constexpr int64_t b = 1, t = 256, h = 4, d = 64;
   const auto packed = (torch::arange(b * t * 3 * h * d, torch::kFloat) * 0.37).sin().view({b, t, 3, h, d}).to(dtype);
@@ -547,20 +546,7 @@ bool widening_is_faster(at::ScalarType dtype) {
     fused_backward(pr, grad.to(torch::kFloat), lse, part(dx, 0), part(dx, 1), part(dx, 2));
     dx.to(dtype);
   };
-  native();  // oneDNN generates its kernels on the first call
-  widened();
-  using Clock = std::chrono::steady_clock;
-  auto best_native = Clock::duration::max(), best_widened = best_native;
-  for (int i = 0; i < 5; ++i) {
-    auto start = Clock::now();
-    native();
-    best_native = std::min(best_native, Clock::now() - start);
-    start = Clock::now();
-    widened();
-    best_widened = std::min(best_widened, Clock::now() - start);
-  }
-  return 1.1 * std::chrono::duration<double>(best_widened).count() <
-         std::chrono::duration<double>(best_native).count();
+  return ztrain::detail::widening_pays(native, widened, 1.1, 5);
 }
 
 // Per 16-bit type (0: bf16, 1: fp16): -1 not yet chosen, else 0 or 1.
