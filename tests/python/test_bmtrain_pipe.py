@@ -98,10 +98,14 @@ class Pipeline(unittest.TestCase):
         self.assertEqual(len(reference), 4 + 16 * LAYERS)  # every stage's layers
 
         loss_func = torch.nn.CrossEntropyLoss(ignore_index=-100)
-        optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, eps=1e-6)
+        # eps 1e-5: the pipeline sums its micro-batches' gradients in another order than the whole
+        # batch's backward, and Adam turns a gradient of rounding size into a step of about lr once
+        # it is not small against eps (with 1e-6, final weights 1e-3 apart on a Zen 4 EPYC; with
+        # 1e-5, at most 4e-8 beyond the rtol below there).
+        optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, eps=1e-5)
         optim_manager = bmt.optim.OptimManager(loss_scale=2 ** 10)
         optim_manager.add_optimizer(optimizer)
-        ref_opt = torch.optim.Adam(reference.values(), lr=1e-2, eps=1e-6)
+        ref_opt = torch.optim.Adam(reference.values(), lr=1e-2, eps=1e-5)
         grad_scale = bmt.world_size() // pipe  # BMTrain's: the sum over every rank / zero_size
 
         losses = []
