@@ -43,7 +43,7 @@ std::shared_ptr<py::function> keep(const py::function& fn) {
 }
 
 // models::detail::Simd's values by name, in order.
-const std::array<std::string, 3> fused_simd_names{"scalar", "avx2", "avx512"};
+const std::array<std::string, 4> fused_simd_names{"scalar", "avx2", "avx512", "avx512_bf16"};
 
 using Hyper = std::tuple<double, double, double, double, double>;  // lr, beta1, beta2, eps, weight_decay
 
@@ -315,12 +315,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("_dropout", &zt::models::dropout, release());
   m.def("_gelu_tanh", &zt::models::gelu_tanh, release());
   m.def("_cross_entropy", &zt::models::cross_entropy, release());
-  // Which code they run ("scalar", "avx2" or "avx512"; the default is the widest the CPU has), for
-  // benchmarks that set them side by side.
+  // Which code they run ("scalar", "avx2", "avx512" or "avx512_bf16"; the default is the widest the
+  // CPU has), for benchmarks that set them side by side.
   m.def("_fused_simd", [] { return fused_simd_names.at(static_cast<size_t>(zt::models::detail::fused_simd())); });
   m.def("_set_fused_simd", [](const std::string& name) {
     const auto at = std::find(fused_simd_names.begin(), fused_simd_names.end(), name);
-    ZTRAIN_CHECK(at != fused_simd_names.end(), "the fused kernels' code is scalar, avx2 or avx512, got '", name, "'");
+    ZTRAIN_CHECK(at != fused_simd_names.end(), "the fused kernels' code is scalar, avx2, avx512 or avx512_bf16, got '",
+                 name, "'");
     zt::models::detail::set_fused_simd(static_cast<zt::models::detail::Simd>(at - fused_simd_names.begin()));
   });
   m.def("finalize_distributed", &zt::finalize_distributed, release());

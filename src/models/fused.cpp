@@ -3,6 +3,7 @@
 #include <ztrain/error.h>
 #include <ztrain/models/fused.h>
 
+#include "bf16_gemm.h"
 #include "simd.h"
 
 #include <atomic>
@@ -11,7 +12,8 @@ namespace ztrain::models::detail {
 
 namespace {
 Simd widest() {
-  return simd::avx512_supported() ? Simd::kAvx512 : simd::avx2_supported() ? Simd::kAvx2 : Simd::kScalar;
+  if (simd::avx512_supported()) return bf16_dot_supported() ? Simd::kAvx512Bf16 : Simd::kAvx512;
+  return simd::avx2_supported() ? Simd::kAvx2 : Simd::kScalar;
 }
 
 std::atomic<Simd> g_simd{widest()};
@@ -23,8 +25,9 @@ bool cpu_runs(Simd simd) { return simd <= widest(); }
 
 void set_fused_simd(Simd simd) {
   ZTRAIN_CHECK(cpu_runs(simd), "the fused kernels' ",
-               simd == Simd::kAvx512 ? "AVX-512 code needs a CPU with AVX-512F, AVX-512DQ, AVX2 and FMA"
-                                     : "AVX2 code needs a CPU with AVX2 and FMA");
+               simd == Simd::kAvx512Bf16 ? "AVX-512 BF16 code needs a CPU with AVX-512F, BW, VL, DQ and BF16"
+               : simd == Simd::kAvx512   ? "AVX-512 code needs a CPU with AVX-512F, AVX-512DQ, AVX2 and FMA"
+                                         : "AVX2 code needs a CPU with AVX2 and FMA");
   g_simd.store(simd);
 }
 

@@ -158,7 +158,7 @@ torch::Tensor fused_forward(const torch::Tensor& input) {
     T* py = y.data_ptr<T>();
     at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
       if constexpr (std::is_same_v<T, float>) {
-        if (simd == detail::Simd::kAvx512) return forward_avx512(px + begin, py + begin, end - begin);
+        if (simd >= detail::Simd::kAvx512) return forward_avx512(px + begin, py + begin, end - begin);
       }
       if (simd != detail::Simd::kScalar) {
         forward_avx2(px + begin, py + begin, end - begin);
@@ -180,7 +180,7 @@ torch::Tensor fused_backward(const torch::Tensor& grad, const torch::Tensor& inp
     T* pdx = dx.data_ptr<T>();
     at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
       if constexpr (std::is_same_v<T, float>) {
-        if (simd == detail::Simd::kAvx512) return backward_avx512(pg + begin, px + begin, pdx + begin, end - begin);
+        if (simd >= detail::Simd::kAvx512) return backward_avx512(pg + begin, px + begin, pdx + begin, end - begin);
       }
       if (simd != detail::Simd::kScalar) {
         backward_avx2(pg + begin, px + begin, pdx + begin, end - begin);

@@ -53,7 +53,9 @@ torch::Tensor dropout(const torch::Tensor& x, double p, bool train);
 /// where it can be: float tensors on the CPU with a positive finite scale (default 1 / √d),
 /// except up to 64 keys without dropout, where libtorch's kernel costs less per call; bf16 and
 /// fp16 ones where detail::attention_widened says so, widened for it and the output and the
-/// gradients rounded once.
+/// gradients rounded once (bf16 ones, on a CPU with AVX-512 BF16, with the gemms in bf16 and float
+/// accumulation: the probabilities and their gradient rounded to bf16 before their products, as
+/// in libtorch's bf16 flash attention).
 /// It computes softmax(q kᵀ · scale) v a block of 64 queries at a time, with the causal mask (query
 /// i sees keys 0 … i) and dropout applied to each block's probabilities in cache, and keeps for
 /// backward only each query's log-sum-exp, no [t_q, t_k] matrix; key heads shared by several
@@ -83,10 +85,12 @@ torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& ta
 
 namespace detail {
 /// The code the fused kernels run, process-wide: the scalar code any CPU runs, their AVX2 + FMA
-/// code, or AVX-512 (attention's row passes; the other kernels run their AVX2 code there). The
-/// default is the widest this CPU has. The setter is for tests and benchmarks; asking for code the
-/// CPU cannot run is an error.
-enum class Simd { kScalar, kAvx2, kAvx512 };
+/// code, AVX-512 (GELU's float code and attention's row passes; the other kernels run their AVX2
+/// code there), or AVX-512 with its BF16 dot products, which also run the gemms of bf16 attention's
+/// blocks in bf16 with float accumulation (otherwise they run in float on the widened operands).
+/// The default is the widest this CPU has. The setter is for tests and benchmarks; asking for code
+/// the CPU cannot run is an error.
+enum class Simd { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
 Simd fused_simd();
 void set_fused_simd(Simd simd);
 /// Whether this CPU runs `simd`.
