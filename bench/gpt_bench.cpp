@@ -211,6 +211,7 @@ struct Args {
   std::string json_path, profile_path, tag;
   std::string plugin = "ddp";
   std::string attention = "fused";
+  std::optional<std::string> fused_simd;  // not set: the widest this CPU has
   bool probe = false, offload = false;
   std::optional<std::string> device;  // not set: ZTRAIN_DEVICE, else the CPU
 };
@@ -232,6 +233,7 @@ int run(const Args& a) {
   ZTRAIN_CHECK(a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be fp32 or bf16, got ", a.dtype);
   ZTRAIN_CHECK(a.attention == "fused" || a.attention == "eager", "--attention must be fused or eager, got ",
                a.attention);
+  if (a.fused_simd) ztrain::models::detail::set_fused_simd(ztrain::models::detail::simd_named(*a.fused_simd));
   const int steps = world.broadcast_object(a.steps, 0), warmup = world.broadcast_object(a.warmup, 0);
   ZTRAIN_CHECK(steps >= 1 && warmup >= 0, "--steps must be >= 1 and --warmup >= 0");
 
@@ -420,6 +422,8 @@ int run(const Args& a) {
       // and the attention: libtorch's 16-bit kernel or the fused one on the widening (models/fused.h)
       {"cpu_attention16", !device.is_cpu() || config.dtype == torch::kFloat32 ? json()
                           : json(ztrain::models::detail::attention_widened(config.dtype) ? "fp32" : "native")},
+      // the fused kernels' code (models/fused.h)
+      {"fused_simd", ztrain::models::detail::simd_name(ztrain::models::detail::fused_simd())},
       {"ranks", n},
       {"threads", rt.threads()},
       {"model", {{"vocab", config.vocab_size}, {"context", config.context}, {"d_model", config.d_model},
@@ -475,6 +479,8 @@ int main(int argc, char** argv) try {
   app.add_option("--dropout", a.dropout, "override the preset's dropout (gpt2: 0.1, the others: 0)");
   app.add_option("--dtype", a.dtype, "fp32 or bf16 (fp32 masters)")->capture_default_str();
   app.add_option("--attention", a.attention, "fused (scaled_dot_product_attention) or eager")->capture_default_str();
+  app.add_option("--fused-simd", a.fused_simd,
+                 "the fused kernels' code: scalar, avx2, avx512 or avx512_bf16 (default: the widest this CPU has)");
   app.add_option("--level", a.level, "ZeRO level 0..3 (system ztrain)")->capture_default_str();
   app.add_option("--batch", a.batch, "sequences per rank")->capture_default_str();
   app.add_option("--seq", a.seq, "sequence length (default: the context)");

@@ -19,8 +19,6 @@
 
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <array>
 #include <map>
 #include <optional>
 #include <set>
@@ -41,9 +39,6 @@ std::shared_ptr<py::function> keep(const py::function& fn) {
     delete f;
   });
 }
-
-// models::detail::Simd's values by name, in order.
-const std::array<std::string, 4> fused_simd_names{"scalar", "avx2", "avx512", "avx512_bf16"};
 
 using Hyper = std::tuple<double, double, double, double, double>;  // lr, beta1, beta2, eps, weight_decay
 
@@ -317,12 +312,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_cross_entropy", &zt::models::cross_entropy, release());
   // Which code they run ("scalar", "avx2", "avx512" or "avx512_bf16"; the default is the widest the
   // CPU has), for benchmarks that set them side by side.
-  m.def("_fused_simd", [] { return fused_simd_names.at(static_cast<size_t>(zt::models::detail::fused_simd())); });
+  m.def("_fused_simd", [] { return zt::models::detail::simd_name(zt::models::detail::fused_simd()); });
   m.def("_set_fused_simd", [](const std::string& name) {
-    const auto at = std::find(fused_simd_names.begin(), fused_simd_names.end(), name);
-    ZTRAIN_CHECK(at != fused_simd_names.end(), "the fused kernels' code is scalar, avx2, avx512 or avx512_bf16, got '",
-                 name, "'");
-    zt::models::detail::set_fused_simd(static_cast<zt::models::detail::Simd>(at - fused_simd_names.begin()));
+    zt::models::detail::set_fused_simd(zt::models::detail::simd_named(name));
   });
   m.def("finalize_distributed", &zt::finalize_distributed, release());
   m.def("rank", [] { return zt::rank(); });

@@ -1,4 +1,4 @@
-// Which code the fused kernels run: scalar, AVX2 or AVX-512 (simd.h).
+// Which code the fused kernels run: scalar, AVX2, AVX-512 or AVX-512 BF16 (simd.h, bf16_gemm.h).
 
 #include <ztrain/error.h>
 #include <ztrain/models/fused.h>
@@ -6,6 +6,8 @@
 #include "bf16_gemm.h"
 #include "simd.h"
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 
 namespace ztrain::models::detail {
@@ -17,6 +19,9 @@ Simd widest() {
 }
 
 std::atomic<Simd> g_simd{widest()};
+
+// Simd's values by name, in order.
+const std::array<std::string, 4> kNames{"scalar", "avx2", "avx512", "avx512_bf16"};
 }  // namespace
 
 Simd fused_simd() { return g_simd.load(std::memory_order_relaxed); }
@@ -29,6 +34,15 @@ void set_fused_simd(Simd simd) {
                : simd == Simd::kAvx512   ? "AVX-512 code needs a CPU with AVX-512F, AVX-512DQ, AVX2 and FMA"
                                          : "AVX2 code needs a CPU with AVX2 and FMA");
   g_simd.store(simd);
+}
+
+std::string simd_name(Simd simd) { return kNames.at(static_cast<size_t>(simd)); }
+
+Simd simd_named(const std::string& name) {
+  const auto at = std::find(kNames.begin(), kNames.end(), name);
+  ZTRAIN_CHECK(at != kNames.end(), "the fused kernels' code is scalar, avx2, avx512 or avx512_bf16, got '", name,
+               "'");
+  return static_cast<Simd>(at - kNames.begin());
 }
 
 }  // namespace ztrain::models::detail

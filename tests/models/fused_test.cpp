@@ -52,10 +52,7 @@ void in_every_kernel(Fn&& fn) {
   const Simd before = models::detail::fused_simd();
   for (Simd simd : {Simd::kScalar, Simd::kAvx2, Simd::kAvx512, Simd::kAvx512Bf16}) {
     if (!models::detail::cpu_runs(simd)) continue;
-    SCOPED_TRACE(simd == Simd::kScalar ? "scalar"
-                 : simd == Simd::kAvx2 ? "avx2"
-                 : simd == Simd::kAvx512 ? "avx512"
-                                         : "avx512_bf16");
+    SCOPED_TRACE(models::detail::simd_name(simd));
     models::detail::set_fused_simd(simd);
     fn();
   }

@@ -36,6 +36,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace ztrain::models {
 
@@ -95,6 +96,10 @@ Simd fused_simd();
 void set_fused_simd(Simd simd);
 /// Whether this CPU runs `simd`.
 bool cpu_runs(Simd simd);
+/// The codes' names, for benchmarks and the Python module: scalar, avx2, avx512, avx512_bf16.
+std::string simd_name(Simd simd);
+/// The code of that name; any other is an error naming the four.
+Simd simd_named(const std::string& name);
 
 /// Whether attention on CPU tensors of this 16-bit type runs the fused kernel on their widening,
 /// in this process: where its matmuls run through fp32 (ztrain/cpu_matmul16.h), and, with
