@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -346,12 +347,21 @@ struct Bf16Operands {
   }
 
   // c[rows, n] (rows ldc apart) = s · y[0, width): s [rows, width], y a key head's packed rows of n.
+  // An odd width's last key is added on its own: its pair's second half is the next key, which
+  // these rows do not see and whose values may be anything (an infinity times 0 is NaN).
   void times(const float* s, int64_t rows, int64_t width, const std::vector<uint32_t>& y, int64_t n, float* c,
              int64_t ldc) {
-    const int64_t kp = (width + 1) / 2;
+    const int64_t kp = (width + 1) / 2, whole = width / 2, ldy = detail::padded16(n);
     a.resize(rows * kp);
     detail::pack_rows(s, rows, width, width, a.data(), kp);
-    detail::bf16_gemm(rows, n, kp, a.data(), kp, 1, y.data(), detail::padded16(n), c, ldc, false);
+    detail::bf16_gemm(rows, n, whole, a.data(), kp, 1, y.data(), ldy, c, ldc, false);
+    if (width % 2 == 0) return;
+    const auto first_half = [](uint32_t pair) { return std::bit_cast<float>(pair << 16); };
+    const uint32_t* last = y.data() + whole * ldy;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float p = first_half(a[i * kp + whole]);
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] += p * first_half(last[j]);
+    }
   }
 
   // c[width, n] (rows ldc apart) = sᵀ · x (+ c if accumulate): s [rows, width], x `rows` rows of n

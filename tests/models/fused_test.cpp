@@ -678,8 +678,30 @@ TEST(Attention, Bf16GemmsWhereTheCpuHasThem) {
     const auto half_float = run(Simd::kAvx512, c, torch::kHalf, torch::kHalf);
     for (size_t i = 0; i < half.size(); ++i) EXPECT_TRUE(torch::equal(half[i], half_float[i])) << kOutputs[i];
   }
-  // the packed layout: the same bits as the unbound views
+  // keys that no query sees (causal, t_q < t_k) read nowhere, whatever they hold: infinities there
+  // give the same bits as zeros (an odd block width pairs its last key with the first unseen one)
   models::detail::set_fused_simd(Simd::kAvx512Bf16);
+  for (const int64_t tq : {99, 65, 1}) {
+    SCOPED_TRACE(c10::str(tq, " queries on 131 keys"));
+    torch::manual_seed(44);
+    const auto q = torch::randn({1, 2, tq, 16}).to(torch::kBFloat16);
+    const auto k = torch::randn({1, 2, 131, 16}).to(torch::kBFloat16);
+    const auto v = torch::randn({1, 2, 131, 16}).to(torch::kBFloat16);
+    const auto dy = torch::randn({1, 2, tq, 16}).to(torch::kBFloat16);
+    const auto unseen = torch::indexing::Slice(tq, torch::indexing::None);
+    const auto with = [&](double fill) {
+      const auto filled = [&](const torch::Tensor& x, double value) {
+        auto out = x.clone();
+        out.index_put_({torch::indexing::Slice(), torch::indexing::Slice(), unseen}, value);
+        return out.requires_grad_();
+      };
+      const auto q_leaf = q.clone().requires_grad_(), k_leaf = filled(k, fill), v_leaf = filled(v, -fill);
+      return with_grads(models::attention(q_leaf, k_leaf, v_leaf, 0.0, true), {q_leaf, k_leaf, v_leaf}, dy);
+    };
+    const auto zeros = with(0.0), infinities = with(std::numeric_limits<double>::infinity());
+    for (size_t i = 0; i < zeros.size(); ++i) EXPECT_TRUE(torch::equal(zeros[i], infinities[i])) << kOutputs[i];
+  }
+  // the packed layout: the same bits as the unbound views
   torch::manual_seed(43);
   const auto leaf = torch::randn({2, 150, 3, 4, 32}).to(torch::kBFloat16).requires_grad_();
   const auto views = leaf.permute({2, 0, 3, 1, 4}).unbind(0);
