@@ -422,15 +422,13 @@ void backward_head(const Problem& pr, int64_t bh, bool first, const Gradients& g
     const int64_t i0 = blk * kRows, rows = std::min(kRows, pr.tq - i0), width = pr.keys_seen(i0 + rows - 1);
     const float *q_rows = pr.q.row(bh, i0), *go_rows = g.grad_out.row(bh, i0);
     const int64_t go_stride = g.grad_out.stride_t;
-    torch::Tensor s, dp, q, go;  // libtorch's views, for the float gemms
     if (bf16) {
       bf16->times_transposed(q_rows, pr.q.stride_t, pr.q.d, rows, bf16->k_t, pr.tk, width, s_buffer);
       bf16->times_transposed(go_rows, go_stride, g.grad_out.d, rows, bf16->v_t, pr.tk, width, dp_buffer);
     } else {
-      s = matrix(s_buffer, rows, width), dp = matrix(dp_buffer, rows, width);
-      q = pr.q.rows(bh, i0, rows), go = g.grad_out.rows(bh, i0, rows);
-      at::cpu::mm_out(s, q, pr.k.rows_t(kv, 0, width));
-      at::cpu::mm_out(dp, go, pr.v.rows_t(kv, 0, width));
+      auto s = matrix(s_buffer, rows, width), dp = matrix(dp_buffer, rows, width);
+      at::cpu::mm_out(s, pr.q.rows(bh, i0, rows), pr.k.rows_t(kv, 0, width));
+      at::cpu::mm_out(dp, g.grad_out.rows(bh, i0, rows), pr.v.rows_t(kv, 0, width));
     }
     for (int64_t i = i0; i < i0 + rows; ++i) {
       const int64_t n = pr.keys_seen(i);
@@ -447,8 +445,9 @@ void backward_head(const Problem& pr, int64_t bh, bool first, const Gradients& g
       bf16->transposed_times(dp_buffer, rows, width, q_rows, pr.q.stride_t, g.dk.d, g.dk.row(kv, 0), g.dk.stride_t,
                              !writes);
     } else {
+      const auto q = pr.q.rows(bh, i0, rows), go = g.grad_out.rows(bh, i0, rows);
       auto dq = g.dq.rows(bh, i0, rows);
-      at::cpu::mm_out(dq, dp, pr.k.rows(kv, 0, width));
+      at::cpu::mm_out(dq, matrix(dp_buffer, rows, width), pr.k.rows(kv, 0, width));
       auto dk = g.dk.rows(kv, 0, width), dv = g.dv.rows(kv, 0, width);
       const auto s_t = matrix_t(s_buffer, rows, width), dp_t = matrix_t(dp_buffer, rows, width);
       if (writes) {
