@@ -1,8 +1,8 @@
 """ztrain.nn's fused CPU kernels against the torch functions they replace, side by side in one
 process: nanoseconds an element (attention: milliseconds a call), forward alone and forward with
 backward, the median of --repeats timings of --calls calls each. Every case runs in each code of
-the fused kernels that --simd names, in turn (scalar, avx2, avx512, avx512_bf16; the widest this
-CPU has by default).
+the fused kernels that --simd names, in turn (scalar, avx2, avx512, avx512_bf16, amx; the widest
+this CPU has by default).
 
     OMP_NUM_THREADS=1 PYTHONPATH=build/python .venv/bin/python bench/fused_bench.py
 """
@@ -90,7 +90,7 @@ def main():
     parser.add_argument("--p", type=float, default=0.1, help="dropout probability")
     parser.add_argument("--simd", nargs="*", default=[_C._fused_simd()],
                         help="the fused kernels' codes each case runs in, in turn: scalar, avx2, avx512, "
-                             "avx512_bf16 (default: the widest this CPU has)")
+                             "avx512_bf16, amx (default: the widest this CPU has)")
     parser.add_argument("--tokens", type=int, nargs="*", default=[256, 1024],
                         help="sequence lengths of the causal attention cases")
     parser.add_argument("--attention-dtype", choices=["float32", "bfloat16", "float16"], default="float32",

@@ -75,7 +75,9 @@ def main():
               "ran on the units, through oneDNN. " if any(r.get("cpu_matmul16") == "fp32" for r in ours)
               else "ztrain's bf16 attention ran its fused kernel on widened operands, which its first bf16 attention "
               "timed faster on this CPU than libtorch's bf16 kernel (`src/models/attention.cpp`)"
-              + (", its gemms in bf16 on the AVX-512 BF16 dot products (`src/models/bf16_gemm.cpp`)"
+              + (", its gemms in bf16 on AMX's tiles and the AVX-512 BF16 dot products (`src/models/bf16_gemm.cpp`)"
+                 if any(r.get("fused_simd") == "amx" for r in ours)
+                 else ", its gemms in bf16 on the AVX-512 BF16 dot products (`src/models/bf16_gemm.cpp`)"
                  if any(r.get("fused_simd") == "avx512_bf16" for r in ours) else "")
               + "; its matmuls, and the PyTorch peers', ran on the CPU's bf16 units, through oneDNN. "
               if any(r.get("cpu_attention16") == "fp32" for r in ours) else "")

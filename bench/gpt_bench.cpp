@@ -480,7 +480,8 @@ int main(int argc, char** argv) try {
   app.add_option("--dtype", a.dtype, "fp32 or bf16 (fp32 masters)")->capture_default_str();
   app.add_option("--attention", a.attention, "fused (scaled_dot_product_attention) or eager")->capture_default_str();
   app.add_option("--fused-simd", a.fused_simd,
-                 "the fused kernels' code: scalar, avx2, avx512 or avx512_bf16 (default: the widest this CPU has)");
+                 "the fused kernels' code: scalar, avx2, avx512, avx512_bf16 or amx (default: the widest this CPU "
+                 "has)");
   app.add_option("--level", a.level, "ZeRO level 0..3 (system ztrain)")->capture_default_str();
   app.add_option("--batch", a.batch, "sequences per rank")->capture_default_str();
   app.add_option("--seq", a.seq, "sequence length (default: the context)");

@@ -310,8 +310,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_dropout", &zt::models::dropout, release());
   m.def("_gelu_tanh", &zt::models::gelu_tanh, release());
   m.def("_cross_entropy", &zt::models::cross_entropy, release());
-  // Which code they run ("scalar", "avx2", "avx512" or "avx512_bf16"; the default is the widest the
-  // CPU has), for benchmarks that set them side by side.
+  // Which code they run ("scalar", "avx2", "avx512", "avx512_bf16" or "amx"; the default is the widest
+  // the CPU has), for benchmarks that set them side by side.
   m.def("_fused_simd", [] { return zt::models::detail::simd_name(zt::models::detail::fused_simd()); });
   m.def("_set_fused_simd", [](const std::string& name) {
     zt::models::detail::set_fused_simd(zt::models::detail::simd_named(name));

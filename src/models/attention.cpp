@@ -62,7 +62,10 @@
 // Q, dO, P and dS, so that P and dS are rounded to bf16 before their products, as in libtorch's
 // bf16 flash attention. Forward's tasks are then whole heads, whose packing serves all their
 // blocks. On a Zen 5 core this runs forward and backward of 2 × 12 heads of 1024 tokens 2.5× as
-// fast as the gemms in float (bench/fused_bench.py: 66.9 against 163.9 ms).
+// fast as the gemms in float (bench/fused_bench.py: 66.9 against 163.9 ms). Where the CPU has AMX
+// (Simd::kAmx), the gemms whose A is packed along its rows (forward's QKᵀ and PV, backward's QKᵀ,
+// dO·Vᵀ and dS·K) run on its tiles; the two whose A is a transpose (dSᵀ·Q, Pᵀ·dO) stay on the dot
+// products.
 //
 // packed_attention runs the same kernel on views of one [b, t, 3, h, d] tensor and writes dq, dk
 // and dv into one tensor of that layout.
@@ -294,7 +297,7 @@ struct Problem {
   double p;       // dropout
   uint64_t seed;  // of its mask
   Simd simd;
-  bool bf16_dot;  // q, k and v are bf16 widened, and the blocks' gemms run in bf16 (kAvx512Bf16)
+  bool bf16_dot;  // q, k and v are bf16 widened, and the blocks' gemms run in bf16 (kAvx512Bf16, kAmx)
 
   int64_t keys_seen(int64_t row) const { return causal ? std::min(row + 1, tk) : tk; }
   // The key and value head (b · heads / group + h / group) of query head bh (b · heads + h).
@@ -314,8 +317,15 @@ torch::Tensor matrix_t(float* data, int64_t rows, int64_t cols) { return Heads::
 // The operands of the blocks' gemms in bf16 (bf16_gemm.h), where Problem::bf16_dot: a key head's
 // k and v packed once for all its blocks, and scratch for a block's.
 struct Bf16Operands {
+  bool amx;  // the products with A's pairs along its rows on AMX's tiles (Simd::kAmx)
   std::vector<uint32_t> k_t, v_t, k, v;  // kᵀ and vᵀ as B over the head size, k and v over the keys
   std::vector<uint32_t> a, b;
+
+  void gemm(int64_t m, int64_t n, int64_t kp, int64_t lda, const uint32_t* b_words, int64_t ldb, float* c,
+            int64_t ldc) const {
+    if (amx) return detail::bf16_gemm_amx(m, n, kp, a.data(), lda, b_words, ldb, c, ldc);
+    detail::bf16_gemm(m, n, kp, a.data(), lda, 1, b_words, ldb, c, ldc, false);
+  }
 
   // Forward's kᵀ and v, or backward's kᵀ, vᵀ and k.
   void pack_head(const Problem& pr, int64_t kv, bool backward) {
@@ -343,7 +353,7 @@ struct Bf16Operands {
     const int64_t kp = (n + 1) / 2;
     a.resize(rows * kp);
     detail::pack_rows(x, rows, n, stride, a.data(), kp);
-    detail::bf16_gemm(rows, width, kp, a.data(), kp, 1, y_t.data(), detail::padded16(tk), c, width, false);
+    gemm(rows, width, kp, kp, y_t.data(), detail::padded16(tk), c, width);
   }
 
   // c[rows, n] (rows ldc apart) = s · y[0, width): s [rows, width], y a key head's packed rows of n.
@@ -354,7 +364,7 @@ struct Bf16Operands {
     const int64_t kp = (width + 1) / 2, whole = width / 2, ldy = detail::padded16(n);
     a.resize(rows * kp);
     detail::pack_rows(s, rows, width, width, a.data(), kp);
-    detail::bf16_gemm(rows, n, whole, a.data(), kp, 1, y.data(), ldy, c, ldc, false);
+    gemm(rows, n, whole, kp, y.data(), ldy, c, ldc);
     if (width % 2 == 0) return;
     const auto first_half = [](uint32_t pair) { return std::bit_cast<float>(pair << 16); };
     const uint32_t* last = y.data() + whole * ldy;
@@ -485,7 +495,7 @@ Problem problem_of(const torch::Tensor& q, const torch::Tensor& k, const torch::
           .p = p,
           .seed = seed,
           .simd = simd,
-          .bf16_dot = from_bf16 && simd == Simd::kAvx512Bf16};
+          .bf16_dot = from_bf16 && simd >= Simd::kAvx512Bf16};
 }
 
 // The same in differentiable libtorch operations on the whole [b, h, t_q, t_k] matrices: the
@@ -525,7 +535,7 @@ std::pair<torch::Tensor, torch::Tensor> fused_forward(const Problem& pr, const t
   const int64_t per_task = pr.bf16_dot ? blocks : 1;
   at::parallel_for(0, pr.batch * pr.heads * blocks / per_task, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(kRows * pr.tk), f(pr.tk);
-    Bf16Operands bf16;
+    Bf16Operands bf16{.amx = pr.simd == Simd::kAmx};
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task * per_task / blocks;
       if (pr.bf16_dot) bf16.pack_head(pr, pr.kv(bh), false);
@@ -546,7 +556,7 @@ void fused_backward(const Problem& pr, const torch::Tensor& grad, const torch::T
   // a task per key head, its query heads in turn: only it writes that head's dk and dv
   at::parallel_for(0, pr.batch * pr.heads / pr.group, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kRows * pr.tk), dp(kRows * pr.tk), f(pr.tk);
-    Bf16Operands bf16;
+    Bf16Operands bf16{.amx = pr.simd == Simd::kAmx};
     for (int64_t task = begin; task < end; ++task) {
       if (pr.bf16_dot) bf16.pack_head(pr, task, true);
       for (int64_t member = 0; member < pr.group; ++member) {

@@ -5,6 +5,11 @@
 // Each pair of the reduction loads a tile row of B once and broadcasts one word of A per row.
 // Tiles at C's edges take the same code with fewer rows or registers, and the last register's
 // columns beyond n are neither loaded nor stored.
+//
+// On AMX (bf16_gemm_amx) C is walked in blocks of 2 × 2 tiles of 16 × 16 floats (tiles 0–3), each
+// pass over 16 pairs of the reduction loading two tiles of A's rows (4, 5) and two of B's columns
+// (6, 7) for four tile products. GCC's tile loads are asm statements that do not tell the compiler
+// they read memory, so a compiler barrier precedes each one that reads what this code wrote.
 
 // GCC 12 reports its own AVX-512 intrinsics as possibly uninitialised once inlined (see
 // optim/adam_kernels.cpp); off before the first include, in a file compiled on its own.
@@ -15,12 +20,16 @@
 
 #include "bf16_gemm.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 
 #define ZTRAIN_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define ZTRAIN_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 namespace ztrain::models::detail {
 
@@ -87,6 +96,40 @@ ZTRAIN_BF16 __m512i pairs_of(const float* p, int64_t n) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // the low 16 elements from lo, in order
 }
 
+// Palette 1's tile configuration: tiles 0–7 of 16 rows × 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Completes this code's stores before a tile instruction that reads them.
+inline void before_tile_read() { asm volatile("" ::: "memory"); }
+
+// A 16 × 16 tile of 32-bit words from `rows` rows of `words` words ld apart (both clipped to 0–16),
+// zeros elsewhere.
+ZTRAIN_AMX void edge_tile(const uint32_t* x, int64_t ld, int64_t rows, int64_t words, uint32_t* tile) {
+  const __mmask16 lanes = first_lanes(words);
+  for (int64_t r = 0; r < 16; ++r) {
+    _mm512_store_si512(tile + 16 * r, r < rows ? _mm512_maskz_loadu_epi32(lanes, x + r * ld) : _mm512_setzero_si512());
+  }
+}
+
+// The rows [i, i + 16) and columns [j, j + 16) of C that are within m × n, from a tile stored by
+// `store(address, stride in bytes)`: straight into C where the tile is whole, else through `edge`.
+template <class Store>
+ZTRAIN_AMX void write_tile(Store store, int64_t i, int64_t j, int64_t m, int64_t n, float* c, int64_t ldc,
+                           float* edge) {
+  if (i >= m || j >= n) return;
+  if (i + 16 <= m && j + 16 <= n) return store(c + i * ldc + j, ldc * 4);
+  store(edge, 64);
+  const __mmask16 lanes = first_lanes(n - j);
+  for (int64_t r = 0; r < std::min<int64_t>(16, m - i); ++r) {
+    _mm512_mask_storeu_ps(c + (i + r) * ldc + j, lanes, _mm512_load_ps(edge + 16 * r));
+  }
+}
+
 }  // namespace
 
 bool bf16_dot_supported() {
@@ -106,6 +149,69 @@ void bf16_gemm(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t a_i,
                                     accumulate);
     }
   }
+}
+
+bool amx_supported() {
+  static const bool supported = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!bf16_dot_supported() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: XCR0 readable
+    unsigned xcr0 = 0, high = 0;
+    asm volatile("xgetbv" : "=a"(xcr0), "=d"(high) : "c"(0));
+    if ((xcr0 & (3u << 17)) != (3u << 17)) return false;  // the OS saves the tile configuration and data
+    constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return supported;
+}
+
+ZTRAIN_AMX void bf16_gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b,
+                              int64_t ldb, float* c, int64_t ldc) {
+  alignas(64) uint32_t a_edge[2][256], b_edge[2][256];
+  alignas(64) float c_edge[256];
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+  // A's tile of rows [i, i + 16) and B's of columns [j, j + 16), pairs [p, p + 16): where they are
+  // when whole, else copied (`edge`); B's rows are ldb ≥ padded16(n) words long.
+  const auto a_tile = [&](int64_t i, int64_t p, uint32_t* edge) {
+    if (i + 16 <= m && p + 16 <= kp) return a + i * lda + p;
+    edge_tile(a + i * lda + p, lda, m - i, kp - p, edge);
+    before_tile_read();
+    return static_cast<const uint32_t*>(edge);
+  };
+  const auto b_tile = [&](int64_t p, int64_t j, uint32_t* edge) {
+    if (p + 16 <= kp && j < n) return b + p * ldb + j;
+    edge_tile(b + p * ldb + j, ldb, j < n ? kp - p : 0, 16, edge);
+    before_tile_read();
+    return static_cast<const uint32_t*>(edge);
+  };
+  const int64_t a_stride = lda * 4, b_stride = ldb * 4;
+  for (int64_t i = 0; i < m; i += 32) {
+    for (int64_t j = 0; j < n; j += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t p = 0; p < kp; p += 16) {
+        const uint32_t *a0 = a_tile(i, p, a_edge[0]), *a1 = a_tile(i + 16, p, a_edge[1]);
+        const uint32_t *b0 = b_tile(p, j, b_edge[0]), *b1 = b_tile(p, j + 16, b_edge[1]);
+        _tile_loadd(4, a0, a0 == a_edge[0] ? 64 : a_stride);
+        _tile_loadd(5, a1, a1 == a_edge[1] ? 64 : a_stride);
+        _tile_loadd(6, b0, b0 == b_edge[0] ? 64 : b_stride);
+        _tile_loadd(7, b1, b1 == b_edge[1] ? 64 : b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      write_tile([](float* at, int64_t stride) { _tile_stored(0, at, stride); }, i, j, m, n, c, ldc, c_edge);
+      write_tile([](float* at, int64_t stride) { _tile_stored(1, at, stride); }, i, j + 16, m, n, c, ldc, c_edge);
+      write_tile([](float* at, int64_t stride) { _tile_stored(2, at, stride); }, i + 16, j, m, n, c, ldc, c_edge);
+      write_tile([](float* at, int64_t stride) { _tile_stored(3, at, stride); }, i + 16, j + 16, m, n, c, ldc, c_edge);
+    }
+  }
+  _tile_release();
 }
 
 ZTRAIN_BF16 void pack_rows(const float* x, int64_t rows, int64_t n, int64_t stride, uint32_t* out, int64_t ld) {

@@ -9,7 +9,8 @@
 // element in the low half, as in memory). The packers build them from float matrices, rounding
 // to nearest even (exact for floats widened from bf16) and padding with zeros: an odd reduction
 // length gets a zero second half, and a row of B's words is padded to a multiple of 16 words.
-// Internal to ztrain; callers run these only where models::detail::fused_simd() is kAvx512Bf16.
+// Internal to ztrain; callers run these only where models::detail::fused_simd() is kAvx512Bf16 or
+// kAmx, and bf16_gemm_amx where it is kAmx.
 
 #include <cstdint>
 
@@ -17,6 +18,11 @@ namespace ztrain::models::detail {
 
 /// Whether this CPU runs the code below: AVX-512 F, BW and BF16.
 bool bf16_dot_supported();
+
+/// Whether this CPU, its OS and this process run bf16_gemm_amx: AMX-TILE and AMX-BF16 beside the
+/// above, the tile state enabled by the OS, and the process's permission to use it (asked for on
+/// the first call; Linux grants it per process).
+bool amx_supported();
 
 /// 16-word rows: n rounded up to a multiple of 16.
 inline int64_t padded16(int64_t n) { return (n + 15) / 16 * 16; }
@@ -26,6 +32,12 @@ inline int64_t padded16(int64_t n) { return (n + 15) / 16 * 16; }
 /// beyond n are read, and must be readable; their products are not stored).
 void bf16_gemm(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t a_i, int64_t a_p, const uint32_t* b,
                int64_t ldb, float* c, int64_t ldc, bool accumulate);
+
+/// bf16_gemm on AMX's tiles, C = A · B, for A's words along its rows: word (i, p) at a[i · lda + p].
+/// Full 16 × 16 tiles of A and B are read where they are; those at the edges are copied, zero-padded.
+/// Where amx_supported() only.
+void bf16_gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                   float* c, int64_t ldc);
 
 /// Pairs along each row: out[i · ld + p] = (x[i][2p], x[i][2p + 1]) for the rows x + i · stride of
 /// n floats, p < ⌈n / 2⌉ (the operand A of a product over n, or B transposed).

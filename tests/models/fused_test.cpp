@@ -44,13 +44,13 @@ double max_error(const torch::Tensor& got, const torch::Tensor& want) {
   return ((g - w).abs() / w.abs().clamp_min(1)).max().item<double>();
 }
 
-// Runs `fn` with the scalar code, then with the AVX2, the AVX-512 and the AVX-512 BF16 code where this CPU
-// has them.
+// Runs `fn` with the scalar code, then with the AVX2, the AVX-512, the AVX-512 BF16 and the AMX code where
+// this CPU has them.
 template <class Fn>
 void in_every_kernel(Fn&& fn) {
   using models::detail::Simd;
   const Simd before = models::detail::fused_simd();
-  for (Simd simd : {Simd::kScalar, Simd::kAvx2, Simd::kAvx512, Simd::kAvx512Bf16}) {
+  for (Simd simd : {Simd::kScalar, Simd::kAvx2, Simd::kAvx512, Simd::kAvx512Bf16, Simd::kAmx}) {
     if (!models::detail::cpu_runs(simd)) continue;
     SCOPED_TRACE(models::detail::simd_name(simd));
     models::detail::set_fused_simd(simd);
@@ -639,10 +639,13 @@ TEST(Attention, SixteenBitWidenedWhereChosen) {
 // float64 at 1024 tokens libtorch 2.11's bf16 kernel is 0.031 off, these gemms 0.014), on shapes
 // that cover odd key counts, row blocks shorter than a tile, a partial last block, key heads shared
 // by query heads, a value head size of its own, dropout, and the packed layout; and equal to the
-// float gemms for fp16.
+// float gemms for fp16. The same where the CPU has AMX, whose tiles run five of the seven gemms
+// (with partial tiles at every edge: rows, columns and pairs that are not multiples of 16).
 TEST(Attention, Bf16GemmsWhereTheCpuHasThem) {
   using models::detail::Simd;
   if (!models::detail::cpu_runs(Simd::kAvx512Bf16)) GTEST_SKIP() << "no AVX-512 BF16 here";
+  std::vector<Simd> codes{Simd::kAvx512Bf16};
+  if (models::detail::cpu_runs(Simd::kAmx)) codes.push_back(Simd::kAmx);
   struct Case {
     int64_t tq, tk, heads, kv_heads, dk, dv;
     bool causal;
@@ -666,40 +669,45 @@ TEST(Attention, Bf16GemmsWhereTheCpuHasThem) {
   for (const auto& c : {Case{257, 257, 2, 2, 64, 64, true, 0.0}, Case{100, 77, 3, 3, 16, 8, false, 0.0},
                         Case{130, 131, 6, 2, 18, 10, true, 0.2}, Case{65, 65, 4, 1, 64, 32, true, 0.0}}) {
     SCOPED_TRACE(c10::str(c.tq, " × ", c.tk, ", heads ", c.heads, "/", c.kv_heads, ", d ", c.dk, "/", c.dv));
-    const auto got = run(Simd::kAvx512Bf16, c, torch::kBFloat16, torch::kBFloat16);
     const auto gemms_in_float = run(Simd::kAvx512, c, torch::kBFloat16, torch::kBFloat16);
     const auto want = run(Simd::kAvx512, c, torch::kBFloat16, torch::kFloat);
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_EQ(got[i].scalar_type(), torch::kBFloat16);
-      EXPECT_LE(max_error(got[i], want[i]), std::ldexp(1.0, -5)) << kOutputs[i];
-      EXPECT_FALSE(torch::equal(got[i], gemms_in_float[i])) << kOutputs[i] << ": the bf16 gemms did not run";
-    }
-    const auto half = run(Simd::kAvx512Bf16, c, torch::kHalf, torch::kHalf);
     const auto half_float = run(Simd::kAvx512, c, torch::kHalf, torch::kHalf);
-    for (size_t i = 0; i < half.size(); ++i) EXPECT_TRUE(torch::equal(half[i], half_float[i])) << kOutputs[i];
+    for (const Simd code : codes) {
+      SCOPED_TRACE(models::detail::simd_name(code));
+      const auto got = run(code, c, torch::kBFloat16, torch::kBFloat16);
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].scalar_type(), torch::kBFloat16);
+        EXPECT_LE(max_error(got[i], want[i]), std::ldexp(1.0, -5)) << kOutputs[i];
+        EXPECT_FALSE(torch::equal(got[i], gemms_in_float[i])) << kOutputs[i] << ": the bf16 gemms did not run";
+      }
+      const auto half = run(code, c, torch::kHalf, torch::kHalf);
+      for (size_t i = 0; i < half.size(); ++i) EXPECT_TRUE(torch::equal(half[i], half_float[i])) << kOutputs[i];
+    }
   }
   // keys that no query sees (causal, t_q < t_k) read nowhere, whatever they hold: infinities there
   // give the same bits as zeros (an odd block width pairs its last key with the first unseen one)
-  models::detail::set_fused_simd(Simd::kAvx512Bf16);
-  for (const int64_t tq : {99, 65, 1}) {
-    SCOPED_TRACE(c10::str(tq, " queries on 131 keys"));
-    torch::manual_seed(44);
-    const auto q = torch::randn({1, 2, tq, 16}).to(torch::kBFloat16);
-    const auto k = torch::randn({1, 2, 131, 16}).to(torch::kBFloat16);
-    const auto v = torch::randn({1, 2, 131, 16}).to(torch::kBFloat16);
-    const auto dy = torch::randn({1, 2, tq, 16}).to(torch::kBFloat16);
-    const auto unseen = torch::indexing::Slice(tq, torch::indexing::None);
-    const auto with = [&](double fill) {
-      const auto filled = [&](const torch::Tensor& x, double value) {
-        auto out = x.clone();
-        out.index_put_({torch::indexing::Slice(), torch::indexing::Slice(), unseen}, value);
-        return out.requires_grad_();
+  for (const Simd code : codes) {
+    models::detail::set_fused_simd(code);
+    for (const int64_t tq : {99, 65, 1}) {
+      SCOPED_TRACE(c10::str(tq, " queries on 131 keys, ", models::detail::simd_name(code)));
+      torch::manual_seed(44);
+      const auto q = torch::randn({1, 2, tq, 16}).to(torch::kBFloat16);
+      const auto k = torch::randn({1, 2, 131, 16}).to(torch::kBFloat16);
+      const auto v = torch::randn({1, 2, 131, 16}).to(torch::kBFloat16);
+      const auto dy = torch::randn({1, 2, tq, 16}).to(torch::kBFloat16);
+      const auto unseen = torch::indexing::Slice(tq, torch::indexing::None);
+      const auto with = [&](double fill) {
+        const auto filled = [&](const torch::Tensor& x, double value) {
+          auto out = x.clone();
+          out.index_put_({torch::indexing::Slice(), torch::indexing::Slice(), unseen}, value);
+          return out.requires_grad_();
+        };
+        const auto q_leaf = q.clone().requires_grad_(), k_leaf = filled(k, fill), v_leaf = filled(v, -fill);
+        return with_grads(models::attention(q_leaf, k_leaf, v_leaf, 0.0, true), {q_leaf, k_leaf, v_leaf}, dy);
       };
-      const auto q_leaf = q.clone().requires_grad_(), k_leaf = filled(k, fill), v_leaf = filled(v, -fill);
-      return with_grads(models::attention(q_leaf, k_leaf, v_leaf, 0.0, true), {q_leaf, k_leaf, v_leaf}, dy);
-    };
-    const auto zeros = with(0.0), infinities = with(std::numeric_limits<double>::infinity());
-    for (size_t i = 0; i < zeros.size(); ++i) EXPECT_TRUE(torch::equal(zeros[i], infinities[i])) << kOutputs[i];
+      const auto zeros = with(0.0), infinities = with(std::numeric_limits<double>::infinity());
+      for (size_t i = 0; i < zeros.size(); ++i) EXPECT_TRUE(torch::equal(zeros[i], infinities[i])) << kOutputs[i];
+    }
   }
   // the packed layout: the same bits as the unbound views
   torch::manual_seed(43);

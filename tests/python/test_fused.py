@@ -118,14 +118,14 @@ class Attention(unittest.TestCase):
         # the benchmarks' switch: every code this CPU runs gives the attention within rounding
         q, k, v = (torch.randn(2, 3, 70, 16) for _ in range(3))
         widest = ztrain._C._fused_simd()
-        codes = ["scalar", "avx2", "avx512", "avx512_bf16"]
+        codes = ["scalar", "avx2", "avx512", "avx512_bf16", "amx"]
         results = []
         try:
             for code in codes[:codes.index(widest) + 1]:
                 ztrain._C._set_fused_simd(code)
                 self.assertEqual(ztrain._C._fused_simd(), code)
                 results.append(ztrain.nn.scaled_dot_product_attention(q, k, v, is_causal=True))
-            with self.assertRaisesRegex(ztrain.Error, "scalar, avx2, avx512 or avx512_bf16, got 'sse'"):
+            with self.assertRaisesRegex(ztrain.Error, "scalar, avx2, avx512, avx512_bf16 or amx, got 'sse'"):
                 ztrain._C._set_fused_simd("sse")
         finally:
             ztrain._C._set_fused_simd(widest)

@@ -87,18 +87,19 @@ torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& ta
 namespace detail {
 /// The code the fused kernels run, process-wide: the scalar code any CPU runs, their AVX2 + FMA
 /// code, AVX-512 (GELU's float code and attention's row passes; the other kernels run their AVX2
-/// code there), or AVX-512 with its BF16 dot products, which also run the gemms of bf16 attention's
-/// blocks in bf16 with float accumulation (otherwise they run in float on the widened operands).
-/// The default is the widest this CPU has. The setter is for tests and benchmarks; asking for code
-/// the CPU cannot run is an error.
-enum class Simd { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
+/// code there), AVX-512 with its BF16 dot products, which also run the gemms of bf16 attention's
+/// blocks in bf16 with float accumulation (otherwise they run in float on the widened operands),
+/// or that with AMX's tiles, which then run those of the seven gemms whose first operand is packed
+/// along its rows (forward's two, and backward's S, dP and dQ). The default is the widest this CPU
+/// has. The setter is for tests and benchmarks; asking for code the CPU cannot run is an error.
+enum class Simd { kScalar, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 Simd fused_simd();
 void set_fused_simd(Simd simd);
 /// Whether this CPU runs `simd`.
 bool cpu_runs(Simd simd);
-/// The codes' names, for benchmarks and the Python module: scalar, avx2, avx512, avx512_bf16.
+/// The codes' names, for benchmarks and the Python module: scalar, avx2, avx512, avx512_bf16, amx.
 std::string simd_name(Simd simd);
-/// The code of that name; any other is an error naming the four.
+/// The code of that name; any other is an error naming the five.
 Simd simd_named(const std::string& name);
 
 /// Whether attention on CPU tensors of this 16-bit type runs the fused kernel on their widening,
