@@ -172,7 +172,8 @@ elapsed=$(($(date +%s) - start))
 busy_end=$(cpu_busy_percent)
 commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 dirty=false
-[[ -n $(git -C "$root" status --porcelain 2>/dev/null) ]] && dirty=true
+# changes to the documentation only (this page among them) leave the measured code as committed
+[[ -n $(git -C "$root" status --porcelain -- . ':!docs' ':!*.md' 2>/dev/null) ]] && dirty=true
 "$python" - "$results/meta.json" <<EOF
 import json, subprocess, sys, torch
 sys.path.insert(0, "$root/bench")
