@@ -31,7 +31,7 @@ bool cpu_runs(Simd simd) { return simd <= widest(); }
 
 void set_fused_simd(Simd simd) {
   ZTRAIN_CHECK(cpu_runs(simd), "the fused kernels' ",
-               simd == Simd::kAmx ? "AMX code needs a CPU with AMX-TILE and AMX-BF16 beside AVX-512 BF16, enabled by its OS"
+               simd == Simd::kAmx ? "AMX code needs a CPU with AMX-TILE, AMX-BF16 and AVX-512 BF16, enabled by its OS"
                : simd == Simd::kAvx512Bf16 ? "AVX-512 BF16 code needs a CPU with AVX-512F, BW, VL, DQ and BF16"
                : simd == Simd::kAvx512   ? "AVX-512 code needs a CPU with AVX-512F, AVX-512DQ, AVX2 and FMA"
                                          : "AVX2 code needs a CPU with AVX2 and FMA");
