@@ -63,9 +63,8 @@
 // bf16 flash attention. Forward's tasks are then whole heads, whose packing serves all their
 // blocks. On a Zen 5 core this runs forward and backward of 2 × 12 heads of 1024 tokens 2.5× as
 // fast as the gemms in float (bench/fused_bench.py: 66.9 against 163.9 ms). Where the CPU has AMX
-// (Simd::kAmx), the gemms whose A is packed along its rows (forward's QKᵀ and PV, backward's QKᵀ,
-// dO·Vᵀ and dS·K) run on its tiles; the two whose A is a transpose (dSᵀ·Q, Pᵀ·dO) stay on the dot
-// products.
+// (Simd::kAmx) all seven run on its tiles, whose A is packed along its rows: for the two whose A
+// is a transpose (Pᵀ·dO, dSᵀ·Q) a block's P and dS are packed down their columns.
 //
 // packed_attention runs the same kernel on views of one [b, t, 3, h, d] tensor and writes dq, dk
 // and dv into one tensor of that layout.
@@ -317,13 +316,13 @@ torch::Tensor matrix_t(float* data, int64_t rows, int64_t cols) { return Heads::
 // The operands of the blocks' gemms in bf16 (bf16_gemm.h), where Problem::bf16_dot: a key head's
 // k and v packed once for all its blocks, and scratch for a block's.
 struct Bf16Operands {
-  bool amx;  // the products with A's pairs along its rows on AMX's tiles (Simd::kAmx)
+  bool amx;  // the products on AMX's tiles (Simd::kAmx)
   std::vector<uint32_t> k_t, v_t, k, v;  // kᵀ and vᵀ as B over the head size, k and v over the keys
   std::vector<uint32_t> a, b;
 
   void gemm(int64_t m, int64_t n, int64_t kp, int64_t lda, const uint32_t* b_words, int64_t ldb, float* c,
             int64_t ldc) const {
-    if (amx) return detail::bf16_gemm_amx(m, n, kp, a.data(), lda, b_words, ldb, c, ldc);
+    if (amx) return detail::bf16_gemm_amx(m, n, kp, a.data(), lda, b_words, ldb, c, ldc, false);
     detail::bf16_gemm(m, n, kp, a.data(), lda, 1, b_words, ldb, c, ldc, false);
   }
 
@@ -379,10 +378,15 @@ struct Bf16Operands {
   void transposed_times(const float* s, int64_t rows, int64_t width, const float* x, int64_t stride, int64_t n,
                         float* c, int64_t ldc, bool accumulate) {
     const int64_t kp = (rows + 1) / 2, lda = detail::padded16(width), ldb = detail::padded16(n);
-    a.resize(kp * lda);
     b.resize(kp * ldb);
-    detail::pack_row_pairs(s, rows, width, width, a.data(), lda);
     detail::pack_row_pairs(x, rows, n, stride, b.data(), ldb);
+    if (amx) {  // sᵀ's words along its rows
+      a.resize(width * kp);
+      detail::pack_columns(s, rows, width, width, a.data(), kp);
+      return detail::bf16_gemm_amx(width, n, kp, a.data(), kp, b.data(), ldb, c, ldc, accumulate);
+    }
+    a.resize(kp * lda);
+    detail::pack_row_pairs(s, rows, width, width, a.data(), lda);
     detail::bf16_gemm(width, n, kp, a.data(), 1, lda, b.data(), ldb, c, ldc, accumulate);
   }
 };

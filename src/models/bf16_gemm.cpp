@@ -116,17 +116,24 @@ ZTRAIN_AMX void edge_tile(const uint32_t* x, int64_t ld, int64_t rows, int64_t w
   }
 }
 
+// Whether C's tile of rows [i, i + 16) and columns [j, j + 16) lies within m × n.
+bool whole_tile(int64_t i, int64_t j, int64_t m, int64_t n) { return i + 16 <= m && j + 16 <= n; }
+
 // The rows [i, i + 16) and columns [j, j + 16) of C that are within m × n, from a tile stored by
-// `store(address, stride in bytes)`: straight into C where the tile is whole, else through `edge`.
+// `store(address, stride in bytes)`: straight into C where the tile is whole (its accumulator
+// started from C's values if `accumulate`), else through `edge`, added to C's values if `accumulate`.
 template <class Store>
 ZTRAIN_AMX void write_tile(Store store, int64_t i, int64_t j, int64_t m, int64_t n, float* c, int64_t ldc,
-                           float* edge) {
+                           float* edge, bool accumulate) {
   if (i >= m || j >= n) return;
-  if (i + 16 <= m && j + 16 <= n) return store(c + i * ldc + j, ldc * 4);
+  if (whole_tile(i, j, m, n)) return store(c + i * ldc + j, ldc * 4);
   store(edge, 64);
   const __mmask16 lanes = first_lanes(n - j);
   for (int64_t r = 0; r < std::min<int64_t>(16, m - i); ++r) {
-    _mm512_mask_storeu_ps(c + (i + r) * ldc + j, lanes, _mm512_load_ps(edge + 16 * r));
+    float* row = c + (i + r) * ldc + j;
+    __m512 x = _mm512_load_ps(edge + 16 * r);
+    if (accumulate) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(lanes, row));
+    _mm512_mask_storeu_ps(row, lanes, x);
   }
 }
 
@@ -167,7 +174,7 @@ bool amx_supported() {
 }
 
 ZTRAIN_AMX void bf16_gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b,
-                              int64_t ldb, float* c, int64_t ldc) {
+                              int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   alignas(64) uint32_t a_edge[2][256], b_edge[2][256];
   alignas(64) float c_edge[256];
   static const TileConfig config;
@@ -186,13 +193,33 @@ ZTRAIN_AMX void bf16_gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* 
     before_tile_read();
     return static_cast<const uint32_t*>(edge);
   };
-  const int64_t a_stride = lda * 4, b_stride = ldb * 4;
+  // whether C's tile at (i, j) starts from C's values rather than zeros
+  const auto from_c = [&](int64_t i, int64_t j) { return accumulate && whole_tile(i, j, m, n); };
+  const int64_t a_stride = lda * 4, b_stride = ldb * 4, c_stride = ldc * 4;
+  if (accumulate) before_tile_read();
   for (int64_t i = 0; i < m; i += 32) {
     for (int64_t j = 0; j < n; j += 32) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      float* c_ij = c + i * ldc + j;
+      if (from_c(i, j)) {
+        _tile_loadd(0, c_ij, c_stride);
+      } else {
+        _tile_zero(0);
+      }
+      if (from_c(i, j + 16)) {
+        _tile_loadd(1, c_ij + 16, c_stride);
+      } else {
+        _tile_zero(1);
+      }
+      if (from_c(i + 16, j)) {
+        _tile_loadd(2, c_ij + 16 * ldc, c_stride);
+      } else {
+        _tile_zero(2);
+      }
+      if (from_c(i + 16, j + 16)) {
+        _tile_loadd(3, c_ij + 16 * ldc + 16, c_stride);
+      } else {
+        _tile_zero(3);
+      }
       for (int64_t p = 0; p < kp; p += 16) {
         const uint32_t *a0 = a_tile(i, p, a_edge[0]), *a1 = a_tile(i + 16, p, a_edge[1]);
         const uint32_t *b0 = b_tile(p, j, b_edge[0]), *b1 = b_tile(p, j + 16, b_edge[1]);
@@ -205,10 +232,13 @@ ZTRAIN_AMX void bf16_gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* 
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
-      write_tile([](float* at, int64_t stride) { _tile_stored(0, at, stride); }, i, j, m, n, c, ldc, c_edge);
-      write_tile([](float* at, int64_t stride) { _tile_stored(1, at, stride); }, i, j + 16, m, n, c, ldc, c_edge);
-      write_tile([](float* at, int64_t stride) { _tile_stored(2, at, stride); }, i + 16, j, m, n, c, ldc, c_edge);
-      write_tile([](float* at, int64_t stride) { _tile_stored(3, at, stride); }, i + 16, j + 16, m, n, c, ldc, c_edge);
+      const auto write = [&](auto store, int64_t ti, int64_t tj) {
+        write_tile(store, ti, tj, m, n, c, ldc, c_edge, accumulate);
+      };
+      write([](float* at, int64_t stride) { _tile_stored(0, at, stride); }, i, j);
+      write([](float* at, int64_t stride) { _tile_stored(1, at, stride); }, i, j + 16);
+      write([](float* at, int64_t stride) { _tile_stored(2, at, stride); }, i + 16, j);
+      write([](float* at, int64_t stride) { _tile_stored(3, at, stride); }, i + 16, j + 16);
     }
   }
   _tile_release();
@@ -223,22 +253,39 @@ ZTRAIN_BF16 void pack_rows(const float* x, int64_t rows, int64_t n, int64_t stri
   }
 }
 
-ZTRAIN_BF16 void pack_row_pairs(const float* x, int64_t rows, int64_t n, int64_t stride, uint32_t* out,
-                                int64_t ld) {
-  // element 2j of the result is element j of the converted register (row 2p), 2j + 1 its 16 + j
+namespace {
+// The words (x[2p][j + l], x[2p + 1][j + l]) for l < 16, p being the pair of rows `even` and `odd`
+// (null past the last row: zeros), those from `columns` on zero.
+ZTRAIN_BF16 __m512i row_pair_words(const float* even, const float* odd, int64_t columns) {
+  // element 2l of the result is element l of the converted register (row 2p), 2l + 1 its 16 + l
   alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
                                                            21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
                                                            11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(columns), even);
+  const __m512 hi = odd ? _mm512_maskz_loadu_ps(first_lanes(columns), odd) : _mm512_setzero_ps();
+  const auto both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), both);
+}
+}  // namespace
+
+ZTRAIN_BF16 void pack_row_pairs(const float* x, int64_t rows, int64_t n, int64_t stride, uint32_t* out,
+                                int64_t ld) {
   for (int64_t p = 0; p < (rows + 1) / 2; ++p) {
-    const float* even = x + 2 * p * stride;
-    const float* odd = even + stride;
-    const bool has_odd = 2 * p + 1 < rows;
+    const float *even = x + 2 * p * stride, *odd = 2 * p + 1 < rows ? even + stride : nullptr;
     for (int64_t j = 0; j < padded16(n); j += 16) {
-      const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(n - j), even + j);
-      const __m512 hi = has_odd ? _mm512_maskz_loadu_ps(first_lanes(n - j), odd + j) : _mm512_setzero_ps();
-      const auto both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-      _mm512_storeu_si512(out + p * ld + j, _mm512_permutexvar_epi16(interleave, both));
+      _mm512_storeu_si512(out + p * ld + j, row_pair_words(even + j, odd ? odd + j : nullptr, n - j));
+    }
+  }
+}
+
+ZTRAIN_BF16 void pack_columns(const float* x, int64_t rows, int64_t n, int64_t stride, uint32_t* out, int64_t ld) {
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(static_cast<int>(ld)));
+  for (int64_t p = 0; p < (rows + 1) / 2; ++p) {
+    const float *even = x + 2 * p * stride, *odd = 2 * p + 1 < rows ? even + stride : nullptr;
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512i words = row_pair_words(even + j, odd ? odd + j : nullptr, n - j);
+      _mm512_mask_i32scatter_epi32(out + j * ld + p, first_lanes(n - j), offsets, words, 4);
     }
   }
 }

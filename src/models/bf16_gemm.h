@@ -33,11 +33,11 @@ inline int64_t padded16(int64_t n) { return (n + 15) / 16 * 16; }
 void bf16_gemm(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t a_i, int64_t a_p, const uint32_t* b,
                int64_t ldb, float* c, int64_t ldc, bool accumulate);
 
-/// bf16_gemm on AMX's tiles, C = A · B, for A's words along its rows: word (i, p) at a[i · lda + p].
-/// Full 16 × 16 tiles of A and B are read where they are; those at the edges are copied, zero-padded.
+/// bf16_gemm on AMX's tiles, for A's words along its rows: word (i, p) at a[i · lda + p]. Full
+/// 16 × 16 tiles of A and B are read where they are; those at the edges are copied, zero-padded.
 /// Where amx_supported() only.
 void bf16_gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-                   float* c, int64_t ldc);
+                   float* c, int64_t ldc, bool accumulate);
 
 /// Pairs along each row: out[i · ld + p] = (x[i][2p], x[i][2p + 1]) for the rows x + i · stride of
 /// n floats, p < ⌈n / 2⌉ (the operand A of a product over n, or B transposed).
@@ -46,6 +46,10 @@ void pack_rows(const float* x, int64_t rows, int64_t n, int64_t stride, uint32_t
 /// Pairs across rows: out[p · ld + j] = (x[2p][j], x[2p + 1][j]) for p < ⌈rows / 2⌉, j < n, zeros
 /// up to padded16(n) (the operand B of a product over rows, or A as a i = 1, a_p = ld).
 void pack_row_pairs(const float* x, int64_t rows, int64_t n, int64_t stride, uint32_t* out, int64_t ld);
+
+/// Pairs down the columns, a column to a row: out[j · ld + p] = (x[2p][j], x[2p + 1][j]) for j < n,
+/// p < ⌈rows / 2⌉ (the operand A of xᵀ's product over rows, as bf16_gemm_amx reads it).
+void pack_columns(const float* x, int64_t rows, int64_t n, int64_t stride, uint32_t* out, int64_t ld);
 
 /// pack_rows transposed: out[p · ld + j] = (x[j][2p], x[j][2p + 1]) for j < rows, zeros up to
 /// padded16(rows) (the operand B of x's transpose, over n).

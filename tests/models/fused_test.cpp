@@ -639,8 +639,8 @@ TEST(Attention, SixteenBitWidenedWhereChosen) {
 // float64 at 1024 tokens libtorch 2.11's bf16 kernel is 0.031 off, these gemms 0.014), on shapes
 // that cover odd key counts, row blocks shorter than a tile, a partial last block, key heads shared
 // by query heads, a value head size of its own, dropout, and the packed layout; and equal to the
-// float gemms for fp16. The same where the CPU has AMX, whose tiles run five of the seven gemms
-// (with partial tiles at every edge: rows, columns and pairs that are not multiples of 16).
+// float gemms for fp16. The same where the CPU has AMX, whose tiles then run the gemms (with
+// partial tiles at every edge: rows, columns and pairs that are not multiples of 16).
 TEST(Attention, Bf16GemmsWhereTheCpuHasThem) {
   using models::detail::Simd;
   if (!models::detail::cpu_runs(Simd::kAvx512Bf16)) GTEST_SKIP() << "no AVX-512 BF16 here";

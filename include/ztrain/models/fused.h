@@ -89,9 +89,8 @@ namespace detail {
 /// code, AVX-512 (GELU's float code and attention's row passes; the other kernels run their AVX2
 /// code there), AVX-512 with its BF16 dot products, which also run the gemms of bf16 attention's
 /// blocks in bf16 with float accumulation (otherwise they run in float on the widened operands),
-/// or that with AMX's tiles, which then run those of the seven gemms whose first operand is packed
-/// along its rows (forward's two, and backward's S, dP and dQ). The default is the widest this CPU
-/// has. The setter is for tests and benchmarks; asking for code the CPU cannot run is an error.
+/// or that with AMX's tiles, which then run those gemms. The default is the widest this CPU has.
+/// The setter is for tests and benchmarks; asking for code the CPU cannot run is an error.
 enum class Simd { kScalar, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 Simd fused_simd();
 void set_fused_simd(Simd simd);
