@@ -149,8 +149,11 @@ GptBlockImpl::GptBlockImpl(const GptConfig& c, Communicator* tp)
 }
 
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
-  auto h = x + attn(ln_1(x));
-  return h + mlp(ln_2(h));
+  const auto norm = [](const torch::nn::LayerNorm& ln, const torch::Tensor& in) {
+    return layer_norm(in, ln->weight, ln->bias, ln->options.eps());
+  };
+  auto h = x + attn(norm(ln_1, x));
+  return h + mlp(norm(ln_2, h));
 }
 
 GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options, Communicator& tp)

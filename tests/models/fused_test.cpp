@@ -1,9 +1,9 @@
-// The fused kernels against libtorch: GELU (tanh) against torch::gelu(x, "tanh") and
-// cross-entropy against torch::nn::functional::cross_entropy — values, gradients (first and
-// second order), bf16, the scalar, AVX2 and AVX-512 code, tails, and the fallbacks; dropout against
-// Philox4x32-10's published answers, the mask its header describes, and the statistics of a
-// Bernoulli mask; attention against libtorch's in double and the materialised attention with the
-// fused dropout.
+// The fused kernels against libtorch: GELU (tanh) against torch::gelu(x, "tanh"), LayerNorm
+// against torch::layer_norm and cross-entropy against torch::nn::functional::cross_entropy —
+// values, gradients (first and second order), bf16, the scalar, AVX2 and AVX-512 code, tails, and
+// the fallbacks; dropout against Philox4x32-10's published answers, the mask its header describes,
+// and the statistics of a Bernoulli mask; attention against libtorch's in double and the
+// materialised attention with the fused dropout.
 
 #include "test_util.h"
 
@@ -160,6 +160,112 @@ TEST(GeluTanh, SecondDerivativeThroughLibtorchsBackward) {
 TEST(GeluTanh, OtherDtypesAreLibtorchs) {
   const auto x = inputs(100, torch::kDouble);
   EXPECT_TRUE(torch::equal(gelu_tanh(x), torch::gelu(x, "tanh")));
+}
+
+// y = layer_norm(x, w, b) and the gradients of x, w and b for dy, through autograd.
+std::vector<torch::Tensor> layer_norm_and_grads(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                                const torch::Tensor& dy) {
+  auto xl = x.detach().clone().requires_grad_(), wl = w.detach().clone().requires_grad_(),
+       bl = b.detach().clone().requires_grad_();
+  auto y = models::layer_norm(xl, wl, bl, 1e-5);
+  y.backward(dy);
+  return {y.detach(), xl.grad(), wl.grad(), bl.grad()};
+}
+
+// The same through libtorch's LayerNorm.
+std::vector<torch::Tensor> libtorch_layer_norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                               const torch::Tensor& dy) {
+  auto xl = x.detach().clone().requires_grad_(), wl = w.detach().clone().requires_grad_(),
+       bl = b.detach().clone().requires_grad_();
+  auto y = torch::layer_norm(xl, {x.size(-1)}, wl, bl, 1e-5);
+  y.backward(dy);
+  return {y.detach(), xl.grad(), wl.grad(), bl.grad()};
+}
+
+// The exact values: libtorch's in double.
+std::vector<torch::Tensor> exact_layer_norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                            const torch::Tensor& dy) {
+  return libtorch_layer_norm(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble), dy.to(torch::kDouble));
+}
+
+// Rows of varied offsets and scales (one constant row, whose variance is 0), a weight and a bias.
+std::vector<torch::Tensor> layer_norm_inputs(int64_t rows, int64_t d, torch::ScalarType dtype = torch::kFloat) {
+  torch::manual_seed(5);
+  auto x = torch::randn({rows, d}) * torch::rand({rows, 1}).mul(8).add(0.1) + torch::randn({rows, 1}) * 3;
+  if (rows > 2) x[1].fill_(2.5);
+  return {x.to(dtype), torch::randn({d}).to(dtype), torch::randn({d}).to(dtype), torch::randn({rows, d}).to(dtype)};
+}
+
+TEST(LayerNorm, MatchesLibtorchInEveryKernel) {
+  in_every_kernel([] {
+    for (int64_t d : {1, 7, 8, 9, 768, 771}) {
+      for (int64_t rows : {1, 3, 130}) {  // 130: three blocks of rows for the weight's gradient
+        SCOPED_TRACE(::testing::Message() << rows << " x " << d);
+        const auto in = layer_norm_inputs(rows, d);
+        const auto got = layer_norm_and_grads(in[0], in[1], in[2], in[3]);
+        const auto want = exact_layer_norm(in[0], in[1], in[2], in[3]);
+        const auto theirs = libtorch_layer_norm(in[0], in[1], in[2], in[3]);
+        for (size_t i = 0; i < got.size(); ++i) {  // y, dx, dw, db: as close as libtorch's float ones
+          EXPECT_LE(max_error(got[i], want[i]), 2 * max_error(theirs[i], want[i]) + 1e-6) << i;
+        }
+        if (rows > 2) {
+          EXPECT_TRUE(torch::equal(got[0][1], in[2]));  // a constant row: x̂ = 0, y = b
+        }
+      }
+    }
+  });
+}
+
+TEST(LayerNorm, Bf16RoundsOnceFromFloat) {
+  in_every_kernel([] {
+    const auto in = layer_norm_inputs(130, 771, torch::kBFloat16);
+    const auto got = layer_norm_and_grads(in[0], in[1], in[2], in[3]);
+    for (const auto& g : got) ASSERT_EQ(g.scalar_type(), torch::kBFloat16);
+    const auto want = exact_layer_norm(in[0], in[1], in[2], in[3]);
+    // Within one bf16 rounding (2^-8 relative) of the exact values of the same bf16 inputs, and
+    // at least as close as libtorch's bf16 LayerNorm.
+    const auto theirs = libtorch_layer_norm(in[0], in[1], in[2], in[3]);
+    for (size_t i = 0; i < got.size(); ++i) {
+      SCOPED_TRACE(i);
+      EXPECT_LE(max_error(got[i], want[i]), std::ldexp(1.0, -8) + 1e-5);
+      EXPECT_LE(max_error(got[i], want[i]), max_error(theirs[i], want[i]) + 1e-6);
+    }
+  });
+}
+
+TEST(LayerNorm, NonContiguousAndBatchedInputs) {
+  const auto in = layer_norm_inputs(96, 40);
+  auto x = in[0].view({4, 24, 40}).transpose(0, 1).requires_grad_();  // [24, 4, 40], not contiguous
+  auto y = models::layer_norm(x, in[1], in[2], 1e-5);
+  EXPECT_EQ(y.sizes(), x.sizes());
+  const auto xd = x.detach().to(torch::kDouble);
+  const auto exact = torch::layer_norm(xd, {40}, in[1].to(torch::kDouble), in[2].to(torch::kDouble));
+  EXPECT_LE(max_error(y.detach(), exact), 2 * max_error(torch::layer_norm(x.detach(), {40}, in[1], in[2]), exact) + 1e-6);
+}
+
+TEST(LayerNorm, SecondDerivativeThroughLibtorchsBackward) {
+  const auto in = layer_norm_inputs(5, 24);
+  auto x = in[0].clone().requires_grad_(), w = in[1].clone().requires_grad_();
+  auto x_ref = in[0].clone().requires_grad_(), w_ref = in[1].clone().requires_grad_();
+  const auto loss = [&](const torch::Tensor& y) { return (y * y * in[3]).sum(); };
+  auto g = torch::autograd::grad({loss(models::layer_norm(x, w, in[2], 1e-5))}, {x}, {}, true, true)[0];
+  auto g_ref = torch::autograd::grad({loss(torch::layer_norm(x_ref, {24}, w_ref, in[2], 1e-5))}, {x_ref}, {}, true,
+                                     true)[0];
+  ASSERT_TRUE(g.requires_grad());
+  EXPECT_TRUE(torch::allclose(g, g_ref, 1e-5, 1e-5));
+  g.sum().backward();
+  g_ref.sum().backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), 1e-4, 1e-4));
+  EXPECT_TRUE(torch::allclose(w.grad(), w_ref.grad(), 1e-4, 1e-4));
+}
+
+TEST(LayerNorm, OtherDtypesAndShapesAreLibtorchs) {
+  const auto in = layer_norm_inputs(6, 10, torch::kDouble);
+  EXPECT_TRUE(torch::equal(models::layer_norm(in[0], in[1], in[2], 1e-5), torch::layer_norm(in[0], {10}, in[1], in[2])));
+  const auto f = layer_norm_inputs(6, 10);
+  EXPECT_TRUE(torch::equal(models::layer_norm(f[0], f[1], torch::Tensor(), 1e-5),
+                           torch::layer_norm(f[0], {10}, f[1], torch::Tensor())));
+  EXPECT_THROW(models::layer_norm(f[0], torch::randn({9}), f[2], 1e-5), c10::Error);  // weight of the wrong size
 }
 
 // Logits [n, v] over a wide range, and targets with some rows ignored.
