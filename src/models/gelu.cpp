@@ -14,15 +14,14 @@
 
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
 // How it works
 // ------------
 // Both passes compute s = σ(2u) = 1 / (1 + exp(−2u)) per element, with u as in the header, then
 //   forward:   y  = x · s
 //   backward:  dx = dy · (s + 2x · s · (1 − s) · du/dx)
-// The AVX2 kernel does 8 elements at a time, with simd.h's exp (on AVX-512 CPUs, float tensors
-// take 16 at a time through the same operations, so the same bits). Tails run through the same
+// The AVX2 kernel does 8 elements at a time, with simd.h's exp (on AVX-512 CPUs, 16 at a time
+// through the same operations, so the same bits). Tails run through the same
 // vector code on a small buffer, so every element of a tensor gets the same bits wherever it lies
 // (a tensor-parallel slice equals the same features of the whole). The scalar kernel, for CPUs
 // without AVX2 and FMA, uses std::exp. bf16 elements widen to float exactly and the result rounds
@@ -111,12 +110,13 @@ ZTRAIN_AVX2 void backward_avx2(const T* dy, const T* x, T* dx, int64_t n) {
   std::memcpy(dx + i, out, (n - i) * sizeof(T));
 }
 
-// ---- AVX-512 (float) ---------------------------------------------------------------------------
-// backward8's and forward8's operations on 16 lanes, in their order: the same bits per element.
-// The tail runs under a mask. bf16 keeps the AVX2 code.
+// ---- AVX-512 -----------------------------------------------------------------------------------
+// backward8's and forward8's operations on 16 lanes, in their order, and bf16 rounded as store8
+// rounds: the same bits per element. The tail runs on its lanes alone.
 
 using detail::simd::exp16;
-using detail::simd::lanes;
+using detail::simd::load16;
+using detail::simd::store16;
 
 ZTRAIN_AVX512 inline __m512 sigma_2u16(__m512 x) {
   const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
@@ -125,24 +125,24 @@ ZTRAIN_AVX512 inline __m512 sigma_2u16(__m512 x) {
   return _mm512_div_ps(one, _mm512_add_ps(one, exp16(minus_2u)));
 }
 
-ZTRAIN_AVX512 void forward_avx512(const float* x, float* y, int64_t n) {
+template <class T>
+ZTRAIN_AVX512 void forward_avx512(const T* x, T* y, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(v, sigma_2u16(v)));
+    const __m512 v = load16(x + i, n - i);
+    store16(y + i, n - i, _mm512_mul_ps(v, sigma_2u16(v)));
   }
 }
 
-ZTRAIN_AVX512 void backward_avx512(const float* dy, const float* x, float* dx, int64_t n) {
+template <class T>
+ZTRAIN_AVX512 void backward_avx512(const T* dy, const T* x, T* dx, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(m, x + i), g = _mm512_maskz_loadu_ps(m, dy + i), s = sigma_2u16(v);
+    const __m512 v = load16(x + i, n - i), g = load16(dy + i, n - i), s = sigma_2u16(v);
     const __m512 du = _mm512_mul_ps(_mm512_set1_ps(kBeta),
                                     _mm512_fmadd_ps(_mm512_mul_ps(v, v), _mm512_set1_ps(3.0f * kKappa), one));
     const __m512 slope =
         _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(v, v), _mm512_mul_ps(s, _mm512_sub_ps(one, s))), du);
-    _mm512_mask_storeu_ps(dx + i, m, _mm512_mul_ps(g, _mm512_add_ps(s, slope)));
+    store16(dx + i, n - i, _mm512_mul_ps(g, _mm512_add_ps(s, slope)));
   }
 }
 
@@ -157,10 +157,9 @@ torch::Tensor fused_forward(const torch::Tensor& input) {
     const T* px = x.data_ptr<T>();
     T* py = y.data_ptr<T>();
     at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      if constexpr (std::is_same_v<T, float>) {
-        if (simd >= detail::Simd::kAvx512) return forward_avx512(px + begin, py + begin, end - begin);
-      }
-      if (simd != detail::Simd::kScalar) {
+      if (simd >= detail::Simd::kAvx512) {
+        forward_avx512(px + begin, py + begin, end - begin);
+      } else if (simd != detail::Simd::kScalar) {
         forward_avx2(px + begin, py + begin, end - begin);
       } else {
         forward_scalar(px + begin, py + begin, end - begin);
@@ -179,10 +178,9 @@ torch::Tensor fused_backward(const torch::Tensor& grad, const torch::Tensor& inp
     const T *px = x.data_ptr<T>(), *pg = dy.data_ptr<T>();
     T* pdx = dx.data_ptr<T>();
     at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      if constexpr (std::is_same_v<T, float>) {
-        if (simd >= detail::Simd::kAvx512) return backward_avx512(pg + begin, px + begin, pdx + begin, end - begin);
-      }
-      if (simd != detail::Simd::kScalar) {
+      if (simd >= detail::Simd::kAvx512) {
+        backward_avx512(pg + begin, px + begin, pdx + begin, end - begin);
+      } else if (simd != detail::Simd::kScalar) {
         backward_avx2(pg + begin, px + begin, pdx + begin, end - begin);
       } else {
         backward_scalar(pg + begin, px + begin, pdx + begin, end - begin);

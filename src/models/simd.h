@@ -2,7 +2,7 @@
 // Pieces shared by the fused kernels of this area (gelu.cpp, cross_entropy.cpp, dropout.cpp,
 // attention.cpp): which tensors they take, and in AVX2 loads and stores of 8 float or bf16
 // elements as floats, a register's largest element and sum, and exp; in AVX-512, exp of 16 floats
-// and the mask of a row's tail.
+// and the mask of a row's tail, and loads and stores of 16 float or bf16 elements as floats.
 // Each AVX2 or AVX-512 function carries its instruction set in a target attribute (the library is
 // built for baseline x86-64); callers run them only where models::detail::fused_simd() says so.
 // Internal to ztrain.
@@ -159,5 +159,31 @@ ZTRAIN_AVX512 inline __m512 exp16(__m512 z) {
 
 /// The lanes of elements [0, n) of 16 (all 16 for n ≥ 16).
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+/// Elements [0, n) of 16 (all 16 for n ≥ 16) as floats, the other lanes 0; bf16 widens exactly.
+ZTRAIN_AVX512 inline __m512 load16(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+
+ZTRAIN_AVX512 inline __m512 load16(const c10::BFloat16* p, int64_t n) {
+  uint16_t part[16] = {};
+  if (n < 16) std::copy(reinterpret_cast<const uint16_t*>(p), reinterpret_cast<const uint16_t*>(p) + n, part);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(n < 16 ? part : static_cast<const void*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/// Stores lanes [0, n) of x (all 16 for n ≥ 16); bf16 rounds to nearest even as store8 does (NaN
+/// becomes 0x7FC0), so both codes give the same bits.
+ZTRAIN_AVX512 inline void store16(float* p, int64_t n, __m512 x) { _mm512_mask_storeu_ps(p, lanes(n), x); }
+
+ZTRAIN_AVX512 inline void store16(c10::BFloat16* p, int64_t n, __m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  const __m256i h = _mm512_cvtepi32_epi16(r);
+  if (n >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  uint16_t part[16];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(part), h);
+  std::copy(part, part + n, reinterpret_cast<uint16_t*>(p));
+}
 
 }  // namespace ztrain::models::detail::simd

@@ -93,19 +93,21 @@ TEST(GeluTanh, EveryElementGetsTheSameBitsWhereverItLies) {
 }
 
 // The vector codes compute the same operations per element: AVX2 and AVX-512 agree bit for bit,
-// forward and backward, over whole vectors and every tail length.
+// forward and backward, over whole vectors and every tail length, in float and in bf16.
 TEST(GeluTanh, VectorCodesAgreeBitForBit) {
   using models::detail::Simd;
   if (!models::detail::cpu_runs(Simd::kAvx512)) GTEST_SKIP() << "no AVX-512 here";
   const Simd before = models::detail::fused_simd();
-  for (int64_t n : {1, 15, 16, 17, 31, 4099}) {
-    const auto x = inputs(n) * 4, dy = torch::randn({n});
-    models::detail::set_fused_simd(Simd::kAvx2);
-    const auto [y2, dx2] = gelu_and_grad(x, dy);
-    models::detail::set_fused_simd(Simd::kAvx512);
-    const auto [y16, dx16] = gelu_and_grad(x, dy);
-    EXPECT_TRUE(torch::equal(y2, y16)) << n;
-    EXPECT_TRUE(torch::equal(dx2, dx16)) << n;
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (int64_t n : {1, 15, 16, 17, 31, 4099}) {
+      const auto x = (inputs(n) * 4).to(dtype), dy = torch::randn({n}).to(dtype);
+      models::detail::set_fused_simd(Simd::kAvx2);
+      const auto [y2, dx2] = gelu_and_grad(x, dy);
+      models::detail::set_fused_simd(Simd::kAvx512);
+      const auto [y16, dx16] = gelu_and_grad(x, dy);
+      EXPECT_TRUE(torch::equal(y2, y16)) << n << " " << dtype;
+      EXPECT_TRUE(torch::equal(dx2, dx16)) << n << " " << dtype;
+    }
   }
   models::detail::set_fused_simd(before);
 }
