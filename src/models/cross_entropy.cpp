@@ -1,3 +1,10 @@
+// GCC 12 reports its own AVX-512 intrinsics as possibly uninitialised once inlined (see
+// attention.cpp); off before the first include, in a file compiled on its own.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 #include <ztrain/error.h>
 #include <ztrain/models/fused.h>
 
@@ -19,7 +26,9 @@
 // Backward: row i of the gradient is (exp(l − lse_i) − one-hot(target_i)) · g / count, written in
 // one pass; rows whose target is ignored are zero.
 // The AVX2 code sums 16 elements at a time in two accumulators and pads its tail with −inf, which
-// adds exp(−inf) = 0; the scalar code, for CPUs without AVX2, uses std::exp.
+// adds exp(−inf) = 0; the AVX-512 code keeps the same 16 partial sums in one register, each lane
+// adding the same elements in the same order, so both give the same bits. The scalar code, for
+// CPUs without AVX2, uses std::exp.
 // bf16 logits are read as the floats they widen to and every step runs in float; the loss is a
 // float and the gradient is rounded to bf16 once, element by element. So both are exactly those of
 // the float kernel on the widened logits, without a float copy of [N, V] (2 bytes an element kept
@@ -37,7 +46,6 @@ using detail::simd::load8;
 using detail::simd::load_part;
 using detail::simd::store8;
 using detail::simd::store_part;
-
 
 // ---- scalar ------------------------------------------------------------------------------------
 
@@ -101,6 +109,54 @@ ZTRAIN_AVX2 void row_grad_avx2(const T* l, float lse, float scale, T* out, int64
   if (body < v) store_part(out + body, v - body, grad8(load_part(l + body, v - body, kMinusInf), lv, sv));
 }
 
+// ---- AVX-512 -----------------------------------------------------------------------------------
+
+using detail::simd::exp16;
+using detail::simd::load16;
+using detail::simd::store16;
+
+// The last v mod 16 elements of a row (r = v − j of them from j), in the lanes where the AVX2 code
+// adds them: a whole 8 and the rest in lanes 0 to r − 1; fewer than 8 in lanes 8 to 8 + r − 1
+// (its second accumulator). The other lanes hold −inf.
+template <class T>
+ZTRAIN_AVX512 __m512 row_tail16(const T* l, int64_t r) {
+  float lanes[16];
+  std::fill(lanes, lanes + 16, kMinusInf);
+  std::transform(l, l + r, lanes + (r < 8 ? 8 : 0), [](T x) { return to_float(x); });
+  return _mm512_loadu_ps(lanes);
+}
+
+// The 16 lanes' partial results folded as the AVX2 code folds its two accumulators.
+ZTRAIN_AVX512 __m256 halves_max(__m512 x) {
+  return _mm256_max_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+}
+
+ZTRAIN_AVX512 __m256 halves_sum(__m512 x) {
+  return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+}
+
+template <class T>
+ZTRAIN_AVX512 float row_lse_avx512(const T* l, int64_t v) {
+  const int64_t body = v / 16 * 16, r = v - body;
+  __m512 mx = _mm512_set1_ps(kMinusInf);
+  for (int64_t j = 0; j < body; j += 16) mx = _mm512_max_ps(mx, load16(l + j, 16));
+  const __m512 tail = r ? row_tail16(l + body, r) : _mm512_set1_ps(kMinusInf);
+  const float m = hmax(halves_max(_mm512_max_ps(mx, tail)));
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < body; j += 16) sum = _mm512_add_ps(sum, exp16(_mm512_sub_ps(load16(l + j, 16), mv)));
+  if (r) sum = _mm512_add_ps(sum, exp16(_mm512_sub_ps(tail, mv)));
+  return m + std::log(hsum(halves_sum(sum)));
+}
+
+template <class T>
+ZTRAIN_AVX512 void row_grad_avx512(const T* l, float lse, float scale, T* out, int64_t v) {
+  const __m512 lv = _mm512_set1_ps(lse), sv = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < v; j += 16) {
+    store16(out + j, v - j, _mm512_mul_ps(exp16(_mm512_sub_ps(load16(l + j, v - j), lv)), sv));
+  }
+}
+
 // ---- the function ------------------------------------------------------------------------------
 
 int64_t rows_per_task(int64_t v) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(v, 1)); }
@@ -122,12 +178,16 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     }
     auto lse = torch::empty({n}, logits.options().dtype(torch::kFloat));
     float* out = lse.data_ptr<float>();
-    const bool simd = detail::fused_simd() != detail::Simd::kScalar;
+    const auto simd = detail::fused_simd();
     double total = 0;
     detail::simd::for_type(logits.scalar_type(), [&]<class T>(T) {
       const T* l = logits.data_ptr<T>();
       at::parallel_for(0, n, rows_per_task(v), [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) out[i] = simd ? row_lse_avx2(l + i * v, v) : row_lse_scalar(l + i * v, v);
+        for (int64_t i = begin; i < end; ++i) {
+          out[i] = simd >= detail::Simd::kAvx512  ? row_lse_avx512(l + i * v, v)
+                   : simd != detail::Simd::kScalar ? row_lse_avx2(l + i * v, v)
+                                                   : row_lse_scalar(l + i * v, v);
+        }
       });
       for (int64_t i = 0; i < n; ++i) {
         if (t[i] != ignore_index) total += static_cast<double>(out[i]) - to_float(l[i * v + t[i]]);
@@ -161,7 +221,8 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     auto grad = torch::empty_like(logits);
     const float* row_lse = lse.data_ptr<float>();
     const int64_t* t = targets.data_ptr<int64_t>();
-    const bool simd = detail::fused_simd() != detail::Simd::kScalar;
+    const auto simd = detail::fused_simd();
+    const bool vector = simd != detail::Simd::kScalar;
     detail::simd::for_type(logits.scalar_type(), [&]<class T>(T) {
       const T* l = logits.data_ptr<T>();
       T* out = grad.data_ptr<T>();
@@ -172,15 +233,17 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
             std::fill(row, row + v, T(0));
             continue;
           }
-          if (simd) {
+          if (simd >= detail::Simd::kAvx512) {
+            row_grad_avx512(l + i * v, row_lse[i], scale, row, v);
+          } else if (vector) {
             row_grad_avx2(l + i * v, row_lse[i], scale, row, v);
           } else {
             row_grad_scalar(l + i * v, row_lse[i], scale, row, v);
           }
           // the target's element minus the one-hot, in float before any rounding to T
           const float at_target = to_float(l[i * v + t[i]]);
-          row[t[i]] = static_cast<T>((simd ? grad_avx2(at_target, row_lse[i], scale)
-                                           : grad_scalar(at_target, row_lse[i], scale)) - scale);
+          row[t[i]] = static_cast<T>((vector ? grad_avx2(at_target, row_lse[i], scale)
+                                             : grad_scalar(at_target, row_lse[i], scale)) - scale);
         }
       });
     });

@@ -295,6 +295,32 @@ TEST(CrossEntropy, MatchesLibtorchInEveryKernel) {
   });
 }
 
+// The AVX-512 code adds each row's elements into the AVX2 code's 16 partial sums, in its order:
+// the same loss and gradient bits for every tail length, in float and in bf16.
+TEST(CrossEntropy, VectorCodesAgreeBitForBit) {
+  using models::detail::Simd;
+  if (!models::detail::cpu_runs(Simd::kAvx512)) GTEST_SKIP() << "no AVX-512 here";
+  const Simd before = models::detail::fused_simd();
+  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (int64_t v : {1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 40, 50257}) {
+      auto [logits, targets] = logits_and_targets(v > 1000 ? 8 : 64, v);
+      logits.slice(0, 0, logits.size(0) / 2).mul_(0.01);  // near-equal logits: every term of the sum counts
+      std::vector<torch::Tensor> results;
+      for (Simd simd : {Simd::kAvx2, Simd::kAvx512}) {
+        models::detail::set_fused_simd(simd);
+        auto a = logits.to(dtype).requires_grad_();
+        auto loss = cross_entropy(a, targets);
+        loss.backward();
+        results.push_back(loss.detach());
+        results.push_back(a.grad());
+      }
+      EXPECT_TRUE(torch::equal(results[0], results[2])) << v << " " << dtype;
+      EXPECT_TRUE(torch::equal(results[1], results[3])) << v << " " << dtype;
+    }
+  }
+  models::detail::set_fused_simd(before);
+}
+
 TEST(CrossEntropy, MaskedClassesGetNoGradient) {
   in_every_kernel([] {  // -inf logits (a padded vocabulary's rows): exactly zero, as in libtorch
     auto [logits, targets] = logits_and_targets(5, 20);
