@@ -7,17 +7,16 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 // How it works
 // ------------
 // Each row of d elements (d the last dimension) is normalised on its own:
 //   forward:   μ = Σx / d,  r = 1 / √(Σ(x − μ)² / d + ε),  x̂ = (x − μ) · r,  y = x̂ · w + b
+//   backward:  g = dy · w,  dx = r · (g − Σg / d − x̂ · Σ(g · x̂) / d),  dw = Σrows dy · x̂,  db = Σrows dy
 // μ and the variance come from two passes, the second correcting the first's mean μ₀ by the mean of
 // x − μ₀ (Chan, Golub and LeVeque's corrected two-pass algorithm): a row of large offset and small
-// spread loses nothing to μ₀'s rounding.
-//   backward:  g = dy · w,  dx = r · (g − Σg / d − x̂ · Σ(g · x̂) / d),  dw = Σrows dy · x̂,  db = Σrows dy
+// spread loses nothing to μ₀'s rounding. The scalar code, for CPUs without AVX2, sums in double.
 // μ and r stay in float for backward ([rows] each, 4 bytes a row; libtorch keeps them in the input's
 // dtype, bf16 for bf16). A row (GPT-2's 768 elements, 1.5 KB in bf16) stays in L1 between its
 // passes: forward reads it three times and writes it once, backward reads x and dy twice each and
@@ -59,7 +58,8 @@ void forward_scalar(const T* x, const float* w, const float* b, T* y, float* mea
     }
     const double shift = deviations / static_cast<double>(d);
     const float mu = static_cast<float>(mu0 + shift);
-    const float r = static_cast<float>(1.0 / std::sqrt(std::max(0.0, squares / static_cast<double>(d) - shift * shift) + eps));
+    const double variance = std::max(0.0, squares / static_cast<double>(d) - shift * shift);
+    const auto r = static_cast<float>(1.0 / std::sqrt(variance + eps));
     for (int64_t i = 0; i < d; ++i) y[row * d + i] = from_float<T>((to_float(xr[i]) - mu) * r * w[i] + b[i]);
     mean[row] = mu;
     rstd[row] = r;
@@ -80,7 +80,8 @@ void backward_scalar(const T* dy, const T* x, const float* w, const float* mean,
       sum_g += g;
       sum_gx += g * xhat;
     }
-    const auto a = static_cast<float>(sum_g / static_cast<double>(d)), c = static_cast<float>(sum_gx / static_cast<double>(d));
+    const auto a = static_cast<float>(sum_g / static_cast<double>(d));
+    const auto c = static_cast<float>(sum_gx / static_cast<double>(d));
     for (int64_t i = 0; i < d; ++i) {
       const float g = to_float(gr[i]), xhat = (to_float(xr[i]) - mu) * r;
       dx[row * d + i] = from_float<T>(r * (g * w[i] - a - xhat * c));
@@ -217,7 +218,8 @@ torch::autograd::variable_list fused_backward(const torch::Tensor& grad, const t
   const int64_t d = x.size(-1), n = x.numel() / d, blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
   const auto w = floats(weight);
   auto dx = torch::empty_like(x);
-  auto partial_w = torch::zeros({blocks, d}, x.options().dtype(torch::kFloat)), partial_b = torch::zeros_like(partial_w);
+  auto partial_w = torch::zeros({blocks, d}, x.options().dtype(torch::kFloat));
+  auto partial_b = torch::zeros_like(partial_w);
   const bool vector = detail::fused_simd() != detail::Simd::kScalar;
   detail::simd::for_type(x.scalar_type(), [&]<class T>(T) {
     const T *px = x.data_ptr<T>(), *pg = dy.data_ptr<T>();
