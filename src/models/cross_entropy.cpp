@@ -115,9 +115,9 @@ using detail::simd::exp16;
 using detail::simd::load16;
 using detail::simd::store16;
 
-// The last v mod 16 elements of a row (r = v − j of them from j), in the lanes where the AVX2 code
-// adds them: a whole 8 and the rest in lanes 0 to r − 1; fewer than 8 in lanes 8 to 8 + r − 1
-// (its second accumulator). The other lanes hold −inf.
+// A row's last r = v mod 16 elements, from l, in the lanes where the AVX2 code adds them: 8 or
+// more in lanes 0 to r − 1; fewer than 8 in lanes 8 to 8 + r − 1 (its second accumulator). The
+// other lanes hold −inf.
 template <class T>
 ZTRAIN_AVX512 __m512 row_tail16(const T* l, int64_t r) {
   float lanes[16];

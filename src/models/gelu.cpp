@@ -21,9 +21,9 @@
 //   forward:   y  = x · s
 //   backward:  dx = dy · (s + 2x · s · (1 − s) · du/dx)
 // The AVX2 kernel does 8 elements at a time, with simd.h's exp (on AVX-512 CPUs, 16 at a time
-// through the same operations, so the same bits). Tails run through the same
-// vector code on a small buffer, so every element of a tensor gets the same bits wherever it lies
-// (a tensor-parallel slice equals the same features of the whole). The scalar kernel, for CPUs
+// through the same operations, so the same bits). Tails run through the same vector code on a
+// small buffer, so every element of a tensor gets the same bits wherever it lies (a
+// tensor-parallel slice equals the same features of the whole). The scalar kernel, for CPUs
 // without AVX2 and FMA, uses std::exp. bf16 elements widen to float exactly and the result rounds
 // to nearest even, as c10::BFloat16 rounds.
 
