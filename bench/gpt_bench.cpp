@@ -10,8 +10,8 @@
 // ---------
 // `--system ztrain`: ztrain::models::Gpt at the given ZeRO level (no recomputation), ztrain's
 // fused AdamW (fp32 master weights and moments for bf16), as ztrain-gpt trains it.
-// `--system plain`: the same GPT built from plain libtorch modules (the model's own GptBlock
-// layers, torch::nn::Embedding, torch::nn::LayerNorm), the same initialisation (init_parameters
+// `--system plain`: the same GPT built from plain libtorch modules (the model's own GptBlock and
+// GptLayerNorm layers, torch::nn::Embedding), the same initialisation (init_parameters
 // draws by parameter name, so both get bit-identical weights), the same fused AdamW, and no
 // ztrain engine and no communication: under mpirun every rank trains its own replica, so the
 // figure is the data-parallel ceiling of the machine's cores (no gradient exchange at all).

@@ -139,6 +139,11 @@ GptMlpImpl::GptMlpImpl(const GptConfig& c, Communicator* tp)
 
 torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) { return dropped(dropout, c_proj(gelu_tanh(c_fc(x)))); }
 
+torch::Tensor GptLayerNormImpl::forward(const torch::Tensor& x) {
+  if (options.normalized_shape().size() != 1) return torch::nn::LayerNormImpl::forward(x);
+  return layer_norm(x, weight, bias, options.eps());
+}
+
 GptBlockImpl::GptBlockImpl(const GptConfig& c, Communicator* tp)
     : ln_1(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)),
       ln_2(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps)), attn(c, tp), mlp(c, tp) {
@@ -149,11 +154,8 @@ GptBlockImpl::GptBlockImpl(const GptConfig& c, Communicator* tp)
 }
 
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
-  const auto norm = [](const torch::nn::LayerNorm& ln, const torch::Tensor& in) {
-    return layer_norm(in, ln->weight, ln->bias, ln->options.eps());
-  };
-  auto h = x + attn(norm(ln_1, x));
-  return h + mlp(norm(ln_2, h));
+  auto h = x + attn(ln_1(x));
+  return h + mlp(ln_2(h));
 }
 
 GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& options, Communicator& tp)
@@ -175,7 +177,7 @@ GptTransformerImpl::GptTransformerImpl(const GptConfig& c, const BlockOptions& o
         options),
       ln_f(
           [&] {
-            torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps));
+            GptLayerNorm ln(torch::nn::LayerNormOptions({c.d_model}).eps(c.layer_norm_eps));
             ln->to(c.dtype);
             return ln;
           }(),

@@ -295,6 +295,38 @@ TEST(Gpt, FusedAttentionDropoutReplaysUnderRecomputation) {
   }
 }
 
+TEST(Gpt, LayerNormsAreTheFusedKernel) {
+  // Every LayerNorm of both models (the blocks' two and the final one) is a GptLayerNorm.
+  const auto count = [](torch::nn::Module& m) {
+    int64_t n = 0;
+    for (const auto& sub : m.modules()) n += dynamic_cast<const models::GptLayerNormImpl*>(sub.get()) != nullptr;
+    return n;
+  };
+  Gpt model(kConfig, {.zero_level = 3});
+  auto& tr = *model->transformer;
+  int64_t in_gpt = count(*tr.ln_f->module());  // the engine's blocks hold their modules unregistered
+  for (size_t i = 0; i < tr.h->size(); ++i) in_gpt += count(*tr.h[i]->module());
+  EXPECT_EQ(in_gpt, 2 * kConfig.n_layer + 1);
+  models::PlainGpt plain(kConfig);
+  EXPECT_EQ(count(*plain), 2 * kConfig.n_layer + 1);
+  // Over one dimension its forward is models::layer_norm's, whose bf16 statistics stay in float (libtorch's
+  // are bf16, and differ here); over more, libtorch's.
+  torch::manual_seed(3);
+  models::GptLayerNorm ln(torch::nn::LayerNormOptions({48}).eps(1e-5));
+  {
+    torch::NoGradGuard no_grad;
+    ln->weight.normal_();
+    ln->bias.normal_();
+  }
+  ln->to(torch::kBFloat16);
+  const auto x = (torch::randn({5, 7, 48}) * 3 + 100).to(torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(ln(x), models::layer_norm(x, ln->weight, ln->bias, 1e-5)));
+  EXPECT_FALSE(torch::equal(ln(x), torch::layer_norm(x, {48}, ln->weight, ln->bias, 1e-5)));
+  models::GptLayerNorm ln2(torch::nn::LayerNormOptions({7, 48}));
+  const auto x2 = torch::randn({5, 7, 48});
+  EXPECT_TRUE(torch::equal(ln2(x2), torch::layer_norm(x2, {7, 48}, ln2->weight, ln2->bias, 1e-5)));
+}
+
 TEST(Gpt, BadConfigurationsAreRejected) {
   EXPECT_NE(error_message([] { Gpt(GptConfig{.d_model = 30, .n_head = 4}); }).find("multiple of n_head"), std::string::npos);
   EXPECT_NE(error_message([] { GptConfig::preset("huge"); }).find("tiny"), std::string::npos);

@@ -109,11 +109,19 @@ struct GptMlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(GptMlp);
 
+/// torch::nn::LayerNorm (same parameters, names and options) whose forward over one last
+/// dimension is models::layer_norm (fused.h): statistics in float, the fused CPU kernel.
+struct GptLayerNormImpl : torch::nn::LayerNormImpl {
+  using torch::nn::LayerNormImpl::LayerNormImpl;
+  torch::Tensor forward(const torch::Tensor& x);
+};
+TORCH_MODULE(GptLayerNorm);
+
 /// One transformer block (plain libtorch and tp layers; GptImpl wraps it in a ztrain Block).
 struct GptBlockImpl : torch::nn::Module {
   GptBlockImpl(const GptConfig& c, Communicator* tp = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::LayerNorm ln_1, ln_2;
+  GptLayerNorm ln_1, ln_2;
   GptAttention attn;
   GptMlp mlp;
 };
@@ -123,7 +131,7 @@ struct GptTransformerImpl : torch::nn::Module {
   GptTransformerImpl(const GptConfig& c, const BlockOptions& options, Communicator& tp);
   DistributedParameter wte, wpe;
   BlockList<GptBlock> h;
-  Block<torch::nn::LayerNorm> ln_f;
+  Block<GptLayerNorm> ln_f;
   torch::nn::Dropout drop;
 };
 TORCH_MODULE(GptTransformer);

@@ -32,7 +32,7 @@ struct PlainTransformerImpl : torch::nn::Module {
   nn::Embedding wte;
   torch::nn::Embedding wpe;
   LayerList<GptBlock> h;
-  torch::nn::LayerNorm ln_f;
+  GptLayerNorm ln_f;
 };
 TORCH_MODULE(PlainTransformer);
 
