@@ -466,10 +466,9 @@ def efficiency_section(rows, results):
             # The step if the matmuls ran at the measured bf16 peak and everything else as profiled.
             bf16_row = next(r for r in profiles if r["dtype"] == "bf16")
             matmul_flops = bf16_row["flops_per_token"] * bf16_row["tokens_per_step"] / bf16_row["ranks"]
-            ideal_ms = 1e3 * matmul_flops / (bf16_row["matmul"]["bf16"]["peak_gflops"] * 1e9)
-            # The step with every other operator as profiled and the matmuls at the peak: the most
-            # this profile allows.
             peak = bf16_row["matmul"]["bf16"]["peak_gflops"] * 1e9
+            ideal_ms = 1e3 * matmul_flops / peak
+            # The efficiency of that step, every other operator as profiled: the most this profile allows.
             bound = matmul_flops / ((total - mm_ms + ideal_ms) / 1e3) / peak
             out += ["", f"Why the bf16 goal is missed: in the profiled bf16 step the matmuls take {mm_ms:.0f} ms "
                         f"({100 * mm_ms / total:.0f}%) of {total:.0f} ms; at the measured peak the model's FLOPs "
