@@ -571,28 +571,36 @@ TEST(Attention, MatchesTheExactAttentionInEveryKernel) {
     bool causal;
     int64_t dv = 8;  // the value heads' size: the output rows' length, which forward divides by the sums
   };
-  in_every_kernel([] {
-    // (up to 64 keys without dropout, libtorch's kernel runs; the other cases are the fused one's)
-    for (auto c : {Case{1, 1, true}, Case{5, 5, true}, Case{64, 64, true}, Case{65, 65, true}, Case{130, 130, true},
-                   Case{130, 130, false}, Case{1, 130, false}, Case{7, 130, false}, Case{5, 70, true},
-                   Case{130, 70, true}, Case{20, 130, true}, Case{130, 130, true, 64}, Case{70, 70, false, 43}}) {
-      SCOPED_TRACE(std::to_string(c.tq) + " × " + std::to_string(c.tk) + (c.causal ? ", causal" : "") + ", d_v " +
-                   std::to_string(c.dv));
-      torch::manual_seed(11);
-      const auto q = torch::randn({2, 3, c.tq, 16}).requires_grad_();
-      const auto k = torch::randn({2, 3, c.tk, 16}).requires_grad_();
-      const auto v = torch::randn({2, 3, c.tk, c.dv}).requires_grad_();
-      const auto dy = torch::randn({2, 3, c.tq, c.dv});
-      const auto got = with_grads(models::attention(q, k, v, 0.0, c.causal), {q, k, v}, dy);
-      // The exact values: libtorch's attention in double, which also fixes where the causal mask
-      // falls when t_q ≠ t_k (query i sees keys 0 … i).
-      std::vector<torch::Tensor> in;
-      for (const auto& x : {q, k, v}) in.push_back(x.detach().to(torch::kDouble).requires_grad_());
-      const auto exact = with_grads(at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, c.causal), in,
-                                    dy.to(torch::kDouble));
-      for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(max_error(got[i], exact[i]), 2e-5) << kOutputs[i];
-    }
-  });
+  const bool blas = models::detail::attention_blas();
+  // the float gemms through the BLAS directly where libtorch exports it, and through libtorch
+  for (bool direct : {true, false}) {
+    if (direct && !blas) continue;
+    SCOPED_TRACE(direct ? "sgemm_" : "libtorch's gemm");
+    models::detail::set_attention_blas(direct);
+    in_every_kernel([] {
+      // (up to 64 keys without dropout, libtorch's kernel runs; the other cases are the fused one's)
+      for (auto c : {Case{1, 1, true}, Case{5, 5, true}, Case{64, 64, true}, Case{65, 65, true}, Case{130, 130, true},
+                     Case{130, 130, false}, Case{1, 130, false}, Case{7, 130, false}, Case{5, 70, true},
+                     Case{130, 70, true}, Case{20, 130, true}, Case{130, 130, true, 64}, Case{70, 70, false, 43}}) {
+        SCOPED_TRACE(std::to_string(c.tq) + " × " + std::to_string(c.tk) + (c.causal ? ", causal" : "") + ", d_v " +
+                     std::to_string(c.dv));
+        torch::manual_seed(11);
+        const auto q = torch::randn({2, 3, c.tq, 16}).requires_grad_();
+        const auto k = torch::randn({2, 3, c.tk, 16}).requires_grad_();
+        const auto v = torch::randn({2, 3, c.tk, c.dv}).requires_grad_();
+        const auto dy = torch::randn({2, 3, c.tq, c.dv});
+        const auto got = with_grads(models::attention(q, k, v, 0.0, c.causal), {q, k, v}, dy);
+        // The exact values: libtorch's attention in double, which also fixes where the causal mask
+        // falls when t_q ≠ t_k (query i sees keys 0 … i).
+        std::vector<torch::Tensor> in;
+        for (const auto& x : {q, k, v}) in.push_back(x.detach().to(torch::kDouble).requires_grad_());
+        const auto exact = with_grads(at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, c.causal), in,
+                                      dy.to(torch::kDouble));
+        for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(max_error(got[i], exact[i]), 2e-5) << kOutputs[i];
+      }
+    });
+  }
+  models::detail::set_attention_blas(blas);
 }
 
 TEST(Attention, DropoutIsTheFusedDropoutOfTheProbabilities) {

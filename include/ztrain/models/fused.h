@@ -122,6 +122,14 @@ Simd simd_named(const std::string& name);
 bool attention_widened(c10::ScalarType dtype);
 void set_attention_widened(std::optional<bool> widen);
 
+/// Whether the fused attention's float gemms call the BLAS gemm libtorch links (sgemm_) directly,
+/// where libtorch's libraries export it (PyPI's x86 builds do, from MKL), rather than libtorch's
+/// CPU kernel, which adds the work of an operator call to each of a block's small gemms. The
+/// setter is for tests and benchmarks: false takes libtorch's kernel; true without an exported
+/// sgemm_ is an error.
+bool attention_blas();
+void set_attention_blas(bool direct);
+
 /// Philox4x32-10 on one counter under one key, as dropout's masks use it (dropout.cpp).
 std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
 
