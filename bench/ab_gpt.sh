@@ -6,7 +6,8 @@
 # turns configuration by configuration, ROUNDS times (default 3), so that drift in the machine's
 # speed slows both alike. Prints each configuration's median step time over its runs for A and
 # B, the spread (lowest and highest run), and B/A in tokens/s. DTYPES and LEVELS (environment)
-# narrow the configurations, e.g. DTYPES=bf16 LEVELS="0 3". PROFILE=fp32|bf16 also profiles one
+# narrow the configurations, e.g. DTYPES=bf16 LEVELS="0 3"; ARGS adds gpt_bench options to every
+# run, e.g. ARGS="--batch 2 --seq 256 --dropout 0". PROFILE=fp32|bf16 also profiles one
 # step of each build at 1 rank, level 0, in that dtype (libtorch's profiler) and prints the
 # operators' self times side by side.
 set -euo pipefail
@@ -22,7 +23,7 @@ trap 'rm -rf "$results" "$profiles"' EXIT
 for bin in "$a/bench/gpt_bench" "$b/bench/gpt_bench"; do
   [[ -x $bin ]] || { echo "ab_gpt: no $bin (build with ZTRAIN_BUILD_BENCH=ON)" >&2; exit 1; }
 done
-echo "gpt_bench --preset $preset --steps $steps --warmup ${WARMUP:-3}, 2 ranks x 1 thread; A=$a B=$b; $rounds rounds"
+echo "gpt_bench --preset $preset --steps $steps --warmup ${WARMUP:-3} ${ARGS:-}, 2 ranks x 1 thread; A=$a B=$b; $rounds rounds"
 for round in $(seq "$rounds"); do
   for dtype in ${DTYPES:-fp32 bf16}; do
     for level in ${LEVELS:-0 3}; do
@@ -31,7 +32,7 @@ for round in $(seq "$rounds"); do
         [[ $side == B ]] && build=$b
         line=$(mpirun -np 2 --oversubscribe --bind-to none "$build/bench/gpt_bench" --preset "$preset" \
                  --level "$level" --dtype "$dtype" --steps "$steps" --warmup "${WARMUP:-3}" \
-                 --data "$root/data/tinyshakespeare.txt" | tail -n 1)
+                 --data "$root/data/tinyshakespeare.txt" ${ARGS:-} | tail -n 1)
         echo "$side $dtype $level $line" >> "$results"
         echo "round $round: $side $dtype level $level done" >&2
       done
@@ -58,7 +59,7 @@ for side in A B; do
   build=$a
   [[ $side == B ]] && build=$b
   "$build/bench/gpt_bench" --preset "$preset" --dtype "$PROFILE" --steps 3 --warmup "${WARMUP:-3}" \
-    --data "$root/data/tinyshakespeare.txt" --profile "$profiles/$side.json" >/dev/null
+    --data "$root/data/tinyshakespeare.txt" ${ARGS:-} --profile "$profiles/$side.json" >/dev/null
 done
 echo
 echo "profile of one step, 1 rank, level 0, $PROFILE: self time (ms) of the operators that take the most"
