@@ -296,8 +296,12 @@ struct Heads {
 // lda apart, or where `ta` the transpose of a [k, m] (rows lda apart); op(b) [k, n] likewise.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
           int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  // BLAS takes int sizes, and leading dimensions that cover their rows (a gradient broadcast over
+  // the tokens, rows 0 apart, goes to libtorch's kernel, which copies it)
   constexpr int64_t kMax = std::numeric_limits<int>::max();
-  if (detail::attention_blas() && std::max({m, n, k, lda, ldb, ldc}) <= kMax) {
+  const bool blas_fits = std::max({m, n, k, lda, ldb, ldc}) <= kMax && lda >= std::max<int64_t>(1, ta ? m : k) &&
+                         ldb >= std::max<int64_t>(1, tb ? k : n) && ldc >= std::max<int64_t>(1, n);
+  if (detail::attention_blas() && blas_fits) {
     // column-major, as BLAS reads it: cᵀ [n, m] = op(b)ᵀ · op(a)ᵀ
     const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
     const int ila = static_cast<int>(lda), ilb = static_cast<int>(ldb), ilc = static_cast<int>(ldc);

@@ -603,6 +603,29 @@ TEST(Attention, MatchesTheExactAttentionInEveryKernel) {
   models::detail::set_attention_blas(blas);
 }
 
+TEST(Attention, TakesAGradientBroadcastOverTheTokens) {
+  // rows 0 apart, as the gradient of a sum against a per-feature weight arrives
+  const bool blas = models::detail::attention_blas();
+  for (bool direct : {true, false}) {
+    if (direct && !blas) continue;
+    SCOPED_TRACE(direct ? "sgemm_" : "libtorch's gemm");
+    models::detail::set_attention_blas(direct);
+    torch::manual_seed(12);
+    const auto q = torch::randn({2, 3, 130, 16}).requires_grad_();
+    const auto k = torch::randn({2, 3, 130, 16}).requires_grad_();
+    const auto v = torch::randn({2, 3, 130, 16}).requires_grad_();
+    const auto dy = torch::randn({1, 1, 1, 16}).expand({2, 3, 130, 16});
+    ASSERT_EQ(dy.stride(2), 0);
+    const auto got = with_grads(models::attention(q, k, v, 0.0, true), {q, k, v}, dy);
+    std::vector<torch::Tensor> in;
+    for (const auto& x : {q, k, v}) in.push_back(x.detach().to(torch::kDouble).requires_grad_());
+    const auto exact = with_grads(at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true), in,
+                                  dy.to(torch::kDouble));
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_LT(max_error(got[i], exact[i]), 2e-5) << kOutputs[i];
+  }
+  models::detail::set_attention_blas(blas);
+}
+
 TEST(Attention, DropoutIsTheFusedDropoutOfTheProbabilities) {
   in_every_kernel([] {
     for (int64_t t : {37, 130}) {
