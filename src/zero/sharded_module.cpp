@@ -471,11 +471,14 @@ void ShardedModule::before(const std::vector<ShardedModule*>& neighbours) {
 
 // ---- forward and backward ----------------------------------------------------------------------
 
+// An output that is (a view of) a gathered buffer release() will free is copied out first. A
+// mapped group's buffer is never freed, so what aliases it is returned as it is, as at levels
+// 0 and 1: a live view of the parameters, which the next optimizer step changes.
 std::vector<torch::Tensor> ShardedModule::own_outputs(std::vector<torch::Tensor> outputs) const {
   for (auto& out : outputs) {
     if (!out.defined() || out.numel() == 0) continue;
     for (const auto& g : groups_) {
-      if (out.storage().unsafeGetStorageImpl() == g.full.storage().unsafeGetStorageImpl()) {
+      if (!g.mapped && out.storage().unsafeGetStorageImpl() == g.full.storage().unsafeGetStorageImpl()) {
         out = out.clone();
         break;
       }

@@ -6,8 +6,9 @@
 /// gathers it; later calls before its backward return the same tensor, so a weight used twice
 /// (an embedding tied to the LM head) is gathered once and its gradient — the sum over both
 /// uses — reduce-scattered once. Levels as Block (default 2: the gathered tensor is kept until
-/// its backward; at level 3 each use owns a copy instead). The returned tensor is valid until
-/// the backward that consumes it.
+/// its backward; at level 3 each use owns a copy instead, except where the full tensor maps
+/// the ranks' shards on one host, ShardGroup::mapped, and is returned as it is). The returned
+/// tensor is valid until the backward that consumes it.
 ///
 /// Checkpoints and initialisation see the parameter under `<module path>.<name>` with its full
 /// shape; `parameters()` returns the shard an optimizer updates. Construction is collective
