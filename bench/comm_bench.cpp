@@ -1,14 +1,14 @@
-// comm_bench: bandwidth of all_gather, reduce_scatter and all_reduce on float32 tensors, side by
-// side with one core's memcpy rate, over message sizes from --min-bytes to --max-bytes (x4).
+// comm_bench: bandwidth of all_gather, reduce_scatter and all_reduce on float32 (or, --dtype bf16,
+// bfloat16) tensors, side by side with one core's memcpy rate, over message sizes from --min-bytes to --max-bytes (x4).
 //
 //   mpirun -np 2 --bind-to none build/bench/comm_bench [--ops all_reduce] [--json out.jsonl]
 //
 // How it is measured
 // ------------------
 // Message size S: the all_reduce tensor, the all_gather output (input S/n per rank), the
-// reduce_scatter input (output S/n per rank); rounded down to a whole float per rank.
-// For each op and size: the result is checked once against an exact expectation (integer-valued
-// floats, so any sum order is exact), then the op is warmed up, rank 0 picks the iteration count
+// reduce_scatter input (output S/n per rank); rounded down to a whole element per rank.
+// For each op and size: the result is checked once against an exact expectation (small integers,
+// exact in either dtype, so any sum order is exact), then the op is warmed up, rank 0 picks the iteration count
 // from the warm-up time and --target-seconds-per-size and broadcasts it, and every timed call
 // runs after a barrier. Each rank times its own call; the time of a call is the max over ranks,
 // and we report the median (and p10/p90) over iterations.
@@ -72,6 +72,7 @@ struct BenchOptions {
   int min_iters = 5;
   int max_iters = 10000;
   std::string buffers = "host-shared";
+  std::string dtype = "fp32";
   std::optional<std::string> json;
 };
 
@@ -140,9 +141,11 @@ double bus_factor(const std::string& op, int n) {
 }
 
 // 1, 2, ..., 16, 1, 2, ... as floats: small integers, so every sum over ranks is exact.
-torch::Tensor pattern(int64_t numel) {
-  return torch::arange(numel, torch::kInt64).remainder(16).add(1).to(torch::kFloat);
+torch::Tensor pattern(int64_t numel, c10::ScalarType dtype) {
+  return torch::arange(numel, torch::kInt64).remainder(16).add(1).to(dtype);
 }
+
+c10::ScalarType scalar_type(const std::string& dtype) { return dtype == "bf16" ? torch::kBFloat16 : torch::kFloat; }
 
 // One collective at one size: its buffers, the timed call, and a one-off exact check.
 struct Collective {
@@ -158,19 +161,21 @@ std::optional<std::string> compare(const torch::Tensor& got, const torch::Tensor
                   want[i].item<float>());
 }
 
-Collective make_collective(const std::string& op, Communicator& comm, int64_t size, const std::string& buffers) {
+Collective make_collective(const std::string& op, Communicator& comm, int64_t size, const BenchOptions& o) {
   const int n = comm.size(), r = comm.rank();
+  const auto dtype = scalar_type(o.dtype);
   auto buffer = [&](int64_t numel) {
-    return buffers == "host-shared" ? ztrain::host_shared_empty({numel}) : torch::empty({numel});
+    return o.buffers == "host-shared" ? ztrain::host_shared_empty({numel}, dtype) : torch::empty({numel}, dtype);
   };
-  const int64_t shard = size / static_cast<int64_t>(sizeof(float)) / n;  // floats per rank
+  const auto pattern = [dtype](int64_t numel) { return ::pattern(numel, dtype); };
+  const int64_t shard = size / c10::elementSize(dtype) / n;  // elements per rank
   const float rank_sum = n * (n + 1) / 2.0f;  // rank q contributes (q + 1) * pattern
   Collective c;
   if (op == "all_reduce") {
     auto x = buffer(shard * n);
     c.bytes = x.nbytes();
     c.call = [&comm, x] { comm.all_reduce(x, ReduceOp::kSum); };
-    c.check = [&comm, x, r, rank_sum] {
+    c.check = [&comm, x, r, rank_sum, pattern] {
       x.copy_(pattern(x.numel()) * (r + 1));
       comm.all_reduce(x, ReduceOp::kSum);
       auto error = compare(x, pattern(x.numel()) * rank_sum);
@@ -182,7 +187,7 @@ Collective make_collective(const std::string& op, Communicator& comm, int64_t si
     auto in = op == "all_gather" ? buffer(shard) : out.narrow(0, r * shard, shard);
     c.bytes = out.nbytes();
     c.call = [&comm, in, out] { comm.all_gather(in, out); };
-    c.check = [&comm, in, out, n, r] {
+    c.check = [&comm, in, out, n, r, pattern] {
       out.fill_(-1);
       in.copy_(pattern(in.numel()) * (r + 1));
       comm.all_gather(in, out);
@@ -195,7 +200,7 @@ Collective make_collective(const std::string& op, Communicator& comm, int64_t si
     auto in = buffer(shard * n), out = buffer(shard);
     c.bytes = in.nbytes();
     c.call = [&comm, in, out] { comm.reduce_scatter(in, out, ReduceOp::kSum); };
-    c.check = [&comm, in, out, r, rank_sum] {
+    c.check = [&comm, in, out, r, rank_sum, pattern] {
       in.copy_(pattern(in.numel()) * (r + 1));
       out.fill_(-1);
       comm.reduce_scatter(in, out, ReduceOp::kSum);
@@ -294,7 +299,7 @@ void print_configuration(ztrain::Runtime& rt, const BenchOptions& o) {
   std::printf(
       "# comm_bench: ztrain %s, libtorch %s, %s\n"
       "# ranks %d on %s; %d core(s) usable by rank 0; intra-op threads per rank %d\n"
-      "# dtype float32, reduce op sum; buffers %s; timeout %.0f s; debug collectives %s; load average %.2f at "
+      "# dtype %s, reduce op sum; buffers %s; timeout %.0f s; debug collectives %s; load average %.2f at "
       "start\n"
       "# environment: %s\n"
       "# ops %s; sizes %s .. %s (x4); target %.2f s per op and size; warm-up %d; iterations %d..%d\n"
@@ -308,7 +313,8 @@ void print_configuration(ztrain::Runtime& rt, const BenchOptions& o) {
       "#          timed like the collectives; S counted once (not read + write): one core's copy "
       "rate\n",
       ZTRAIN_VERSION, TORCH_VERSION, mpi_library().c_str(), rt.world_size(), host_list.c_str(),
-      usable_cores(), rt.threads(), o.buffers.c_str(), rt.timeout().count() / 1000.0, rt.debug_collectives() ? "on" : "off",
+      usable_cores(), rt.threads(), o.dtype == "bf16" ? "bfloat16" : "float32", o.buffers.c_str(),
+      rt.timeout().count() / 1000.0, rt.debug_collectives() ? "on" : "off",
       load_average(), environment_settings().c_str(), ops.c_str(), human(o.min_bytes).c_str(),
       human(o.max_bytes).c_str(), o.target_seconds, o.warmup, o.min_iters, o.max_iters);
 }
@@ -334,12 +340,12 @@ nlohmann::json to_json(const Timing& t) {
           {"p90_s", t.p90},   {"min_s", t.min},       {"max_s", t.max}};
 }
 
-nlohmann::json to_json(const Result& r, int ranks, const std::string& buffers) {
+nlohmann::json to_json(const Result& r, int ranks, const BenchOptions& o) {
   return {{"op", r.op},
-          {"buffers", buffers},
+          {"buffers", o.buffers},
           {"host_shared_path", r.host_shared},
           {"ranks", ranks},
-          {"dtype", "float32"},
+          {"dtype", o.dtype == "bf16" ? "bfloat16" : "float32"},
           {"size", r.size},
           {"bytes", r.bytes},
           {"time", to_json(r.time)},
@@ -404,6 +410,9 @@ std::optional<int> parse(int argc, char** argv, int rank, int ranks, BenchOption
   app.add_option("--buffers", o.buffers, "host-shared (peers on one host read them in place) or private")
       ->check(CLI::IsMember({"host-shared", "private"}))
       ->capture_default_str();
+  app.add_option("--dtype", o.dtype, "element type of the buffers: fp32 or bf16 (sums in bf16 round once per addition)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   app.add_option("--json", o.json, "also write the results to FILE as JSON lines")->type_name("FILE");
   try {
     app.parse(argc, argv);
@@ -443,12 +452,12 @@ int main(int argc, char** argv) {
     for (const auto& op : o.ops) {
       if (root) print_header(op, rt.world_size());
       for (int64_t size = o.min_bytes; size <= o.max_bytes; size *= 4) {
-        const auto c = make_collective(op, comm, size, o.buffers);
+        const auto c = make_collective(op, comm, size, o);
         if (!verified(comm, c, op, size)) return 1;
         results.push_back(bench(comm, o, op, size, c));
         if (root) {
           print_row(results.back());
-          if (json.is_open()) json << to_json(results.back(), rt.world_size(), o.buffers).dump() << '\n' << std::flush;
+          if (json.is_open()) json << to_json(results.back(), rt.world_size(), o).dump() << '\n' << std::flush;
         }
       }
     }

@@ -34,8 +34,8 @@ namespace ztrain {
 
 namespace {
 
-// Below this, reductions go through libtorch in chunks this size (kept in cache between the
-// steps of a sum over more than two members).
+// Reductions other than float and bfloat16 sums go through libtorch in chunks this size (kept in
+// cache between the steps of a sum over more than two members).
 constexpr int64_t kReduceChunkBytes = int64_t{256} << 10;
 
 // A fallback that is correct, only slower: said once per cause, not for every call or communicator.
@@ -45,6 +45,18 @@ void say_once(std::once_flag& once, const std::string& message) {
 
 torch::Tensor view_of(const char* data, int64_t numel, c10::ScalarType dtype) {
   return torch::from_blob(const_cast<char*>(data), {numel}, torch::dtype(dtype));
+}
+
+// The members' sum into dst (this rank's segment), or into every member's buffer (to_all), with
+// the streaming kernels of comm/host_shared_detail.h.
+template <typename T>
+void sum_members(const torch::Tensor& dst, const std::vector<char*>& sources, int members, bool to_all) {
+  auto* const* buffers = reinterpret_cast<T* const*>(sources.data());
+  if (to_all) {
+    detail::sum_to_all(buffers, members, dst.numel());
+  } else {
+    detail::stream_sum(dst.data_ptr<T>(), buffers, members, dst.numel());
+  }
 }
 
 }  // namespace
@@ -164,12 +176,12 @@ void Communicator::reduce_members(const torch::Tensor& dst, const std::vector<ch
   const int64_t bytes_offset = offset * dst.element_size();
   std::vector<char*> sources(size_);
   for (int k = 0; k < size_; ++k) sources[k] = members[(rank_ + k) % size_] + bytes_offset;
-  if (dtype == at::kFloat && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
-    auto* const* buffers = reinterpret_cast<float* const*>(sources.data());
-    if (to_all) {
-      detail::sum_to_all(buffers, size_, dst.numel());
+  const bool streamed = dtype == at::kFloat || (dtype == at::kBFloat16 && detail::bf16_avx2_sums());
+  if (streamed && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
+    if (dtype == at::kFloat) {
+      sum_members<float>(dst, sources, size_, to_all);
     } else {
-      detail::stream_sum(dst.data_ptr<float>(), buffers, size_, dst.numel());
+      sum_members<c10::BFloat16>(dst, sources, size_, to_all);
     }
     return;
   }

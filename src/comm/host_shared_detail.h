@@ -3,6 +3,8 @@
 // a peer process can map it, mapping peers' ranges, and the copy and sum kernels that stream
 // results to memory.
 
+#include <c10/util/BFloat16.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -56,12 +58,19 @@ void stream_copy(void* dst, const void* src, size_t bytes);
 void stream_copy_to_all(char* const* dsts, int n, const char* src, size_t bytes);
 
 /// dst[i] = srcs[0][i] + srcs[1][i] + ... + srcs[n-1][i], summed in that order (so equal bit
-/// for bit to a scalar loop), stored non-temporally when large and not in place. dst may be one
-/// of srcs; n >= 1.
+/// for bit to a scalar loop; bfloat16 adds in float and rounds after every addition, as
+/// c10::BFloat16's + and libtorch's add), stored non-temporally when large and not in place.
+/// dst may be one of srcs; n >= 1.
 void stream_sum(float* dst, const float* const* srcs, int n, int64_t count);
+void stream_sum(c10::BFloat16* dst, const c10::BFloat16* const* srcs, int n, int64_t count);
 
 /// buffers[k][i] = buffers[0][i] + ... + buffers[n-1][i] for every k, summed once in that order
 /// and stored to all n buffers.
 void sum_to_all(float* const* buffers, int n, int64_t count);
+void sum_to_all(c10::BFloat16* const* buffers, int n, int64_t count);
+
+/// Whether the bfloat16 sums above run vector kernels on this CPU (x86 with AVX2); elsewhere
+/// they are scalar loops, correct but slower than libtorch's kernels.
+bool bf16_avx2_sums();
 
 }  // namespace ztrain::detail

@@ -126,6 +126,61 @@ TEST(HostShared, SumsEqualTheScalarSumInOrder) {
   }
 }
 
+// bfloat16 sums round after every addition, as libtorch's add of two bfloat16 tensors: the
+// kernels equal a chain of at::add bit for bit, ties to even, infinities and NaN (as 0x7FC0)
+// among the values, on every path (short, lines, streamed, in place, to all).
+TEST(HostShared, BFloat16SumsEqualLibtorchsAddInOrder) {
+  using ztrain::detail::stream_sum;
+  using ztrain::detail::sum_to_all;
+  using BF = c10::BFloat16;
+  const auto bf16 = torch::dtype(torch::kBFloat16);
+  for (int n : {1, 2, 3}) {
+    for (int64_t count : {0, 1, 7, 33, 65536 + 5, 262144 + 3}) {
+      for (int64_t misalign : {0, 1}) {
+        std::vector<torch::Tensor> srcs;
+        std::vector<const BF*> ptrs;
+        for (int k = 0; k < n; ++k) {
+          auto gen = at::detail::createCPUGenerator(10 + k);
+          auto src = (torch::randn({count}, gen) * std::pow(300.0, k)).to(torch::kBFloat16);
+          if (count > 40) {
+            // Ties: 1 + 2^-8 is halfway between two bfloat16 (1 and 1 + 2^-7) in a sum with 1.
+            src.narrow(0, 0, 8).fill_(k == 0 ? 1.0 : 0.00390625);
+            src[9] = k == 0 ? std::numeric_limits<float>::infinity() : 1.0f;
+            src[10] = k == n - 1 ? std::nanf("") : 2.0f;
+            src[11] = k == 0 ? 3.0e38f : 3.0e38f;  // overflows to infinity
+          }
+          srcs.push_back(src);
+          ptrs.push_back(srcs.back().data_ptr<BF>());
+        }
+        auto expected = srcs[0].clone();
+        for (int k = 1; k < n; ++k) expected = at::add(expected, srcs[k]);
+        // Every NaN as the kernels write it (libtorch's own NaN bits differ between its paths).
+        expected.masked_fill_(expected.isnan(), std::nanf(""));
+        const auto same = [&](const torch::Tensor& got) {
+          return torch::equal(got.view(torch::kInt16), expected.view(torch::kInt16));
+        };
+        auto dst = torch::empty({count + misalign}, bf16).narrow(0, misalign, count);
+        stream_sum(dst.data_ptr<BF>(), ptrs.data(), n, count);
+        ASSERT_TRUE(same(dst)) << n << " sources, " << count << " values at +" << misalign;
+        auto first = srcs[0].clone();
+        ptrs[0] = first.data_ptr<BF>();
+        stream_sum(first.data_ptr<BF>(), ptrs.data(), n, count);
+        ASSERT_TRUE(same(first)) << "in place: " << n << " sources, " << count << " values";
+        std::vector<torch::Tensor> all;
+        std::vector<BF*> buffers;
+        for (const auto& src : srcs) {
+          all.push_back(torch::empty({count + misalign}, bf16).narrow(0, misalign, count).copy_(src));
+          buffers.push_back(all.back().data_ptr<BF>());
+        }
+        sum_to_all(buffers.data(), n, count);
+        for (int k = 0; k < n; ++k) {
+          ASSERT_TRUE(same(all[k])) << "to all, buffer " << k << ": " << n << " sources, " << count;
+        }
+      }
+    }
+  }
+}
+
 TEST(HostShared, FreedBlocksOfTheSameSizeAreReused) {
   const void* first = nullptr;
   { first = ztrain::host_shared_empty({1000}).data_ptr(); }
