@@ -176,14 +176,11 @@ void Communicator::reduce_members(const torch::Tensor& dst, const std::vector<ch
   const int64_t bytes_offset = offset * dst.element_size();
   std::vector<char*> sources(size_);
   for (int k = 0; k < size_; ++k) sources[k] = members[(rank_ + k) % size_] + bytes_offset;
-  const bool streamed = dtype == at::kFloat || (dtype == at::kBFloat16 && detail::bf16_avx2_sums());
-  if (streamed && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
-    if (dtype == at::kFloat) {
-      sum_members<float>(dst, sources, size_, to_all);
-    } else {
-      sum_members<c10::BFloat16>(dst, sources, size_, to_all);
+  if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
+    if (dtype == at::kFloat) return sum_members<float>(dst, sources, size_, to_all);
+    if (dtype == at::kBFloat16 && detail::bf16_avx2_sums()) {
+      return sum_members<c10::BFloat16>(dst, sources, size_, to_all);
     }
-    return;
   }
   const int64_t chunk = std::max<int64_t>(1, kReduceChunkBytes / dst.element_size());
   for (int64_t at = 0; at < dst.numel(); at += chunk) {
