@@ -426,6 +426,7 @@ int run(const Args& a) {
       {"fused_simd", ztrain::models::detail::simd_name(ztrain::models::detail::fused_simd())},
       {"ranks", n},
       {"threads", rt.threads()},
+      {"cpus", rt.cpus()},  // rank 0's, where the runtime pinned its threads (InitOptions::bind_cores)
       {"model", {{"vocab", config.vocab_size}, {"context", config.context}, {"d_model", config.d_model},
                  {"layers", config.n_layer}, {"heads", config.n_head}, {"preset", a.preset},
                  {"attention", a.attention}, {"dropout", config.dropout}}},

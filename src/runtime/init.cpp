@@ -4,6 +4,7 @@
 #include <ztrain/runtime/device.h>
 #include <ztrain/runtime/rng.h>
 
+#include "cpu_binding.h"
 #include "host_allocator.h"
 
 #include <torch/cuda.h>
@@ -138,6 +139,28 @@ int resolve_threads(const InitOptions& o, int local_size) {
   return std::max(1, usable_cores() / local_size);
 }
 
+bool resolve_bind_cores(const InitOptions& o) {
+  if (o.bind_cores) return *o.bind_cores;
+  auto v = env("ZTRAIN_BIND_CORES");
+  return !v || *v != "0";
+}
+
+/// Pins this rank's threads to its share of `cpus`, the CPUs it was given, which `alike` ranks
+/// of its host were given too (InitOptions::bind_cores): the share, or nothing where they stay
+/// as they were.
+std::vector<int> bind_to_share(const std::vector<int>& cpus, const HostLayout& alike, int threads) {
+  if (alike.local_size < 2) return {};
+  auto share = detail::cpu_share(cpus, alike.local_rank, alike.local_size);
+  if (static_cast<int>(share.size()) < threads) return {};  // also where there are more ranks than CPUs
+  std::string error;
+  if (!detail::pin_process_threads(share, error)) {
+    std::cerr << "ztrain: could not pin this rank's threads to CPUs " << detail::cpu_list_string(share) << " ("
+              << error << "); they stay where they were started\n";
+    return {};
+  }
+  return share;
+}
+
 void finalize_at_exit() {
   try {
     finalize_distributed();
@@ -163,6 +186,8 @@ Runtime::Runtime(const InitOptions& options)
   const bool binds_device = communicator_backend_binds_device(backend);
   auto world = make_world_communicator(binds_device ? "mpi" : backend, world_options);
   const auto host = host_layout(*world);
+  const auto cpus = detail::allowed_cpus();
+  const auto alike = host_layout(*world, detail::cpu_list_string(cpus));  // the ranks here given these CPUs
   local_size_ = host.local_size;
   local_rank_ = host.local_rank;
   threads_ = resolve_threads(options, local_size_);
@@ -180,6 +205,9 @@ Runtime::Runtime(const InitOptions& options)
                                                         .host_shared_buffers = resolve_host_shared_buffers(options),
                                                         .device = device});
   context_->set_timeout(timeout_);
+  // Once nothing is left to reject: a configuration corrected in a second call finds the CPUs
+  // as the launcher gave them.
+  if (resolve_bind_cores(options)) cpus_ = bind_to_share(cpus, alike, threads_);
   at::set_num_threads(threads_);
   context_->world().reset_stats();
   torch::manual_seed(rng::data_parallel_seed(options.seed, context_->coord()));

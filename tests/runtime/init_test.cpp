@@ -5,11 +5,15 @@
 
 #include <ztrain/comm/backend.h>
 
+#include "../../src/runtime/cpu_binding.h"
+
 #include <torch/cuda.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
+#include <thread>
 
 namespace init_test {
 
@@ -85,8 +89,11 @@ TEST(Init, RejectsBackendsItCannotRunNamingTheAlternative) {
   EXPECT_FALSE(ztrain::is_initialized());
 }
 
+std::vector<int> g_cpus_before_init;  // as the launcher started this rank
+
 TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   const int world = ztrain::test::expected_world_size();
+  g_cpus_before_init = ztrain::detail::allowed_cpus();
   const int tp = world % 2 == 0 ? 2 : 1;
   setenv("ZTRAIN_TIMEOUT_S", "42", 1);
   setenv("ZTRAIN_DEBUG_COLLECTIVES", "1", 1);
@@ -135,6 +142,39 @@ TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   check(rt.dp(), t.dp_group(rt.rank()), rt.dp_rank(), "dp");
   check(rt.pp(), t.pp_group(rt.rank()), rt.pp_rank(), "pp");
   check(rt.stage(), t.stage_group(rt.rank()), rt.rank(), "stage");
+}
+
+TEST(Init, PinsTheRanksGivenTheSameCpusToSharesOfThem) {
+  // bind_cores is on by default. The ranks given the same CPUs (here: all, started unbound, or
+  // none alike, each bound by its launcher) split them where each can have one (threads = 1).
+  auto& rt = ztrain::runtime();
+  const auto before = g_cpus_before_init;
+  const auto befores = rt.world().all_gather_bytes(ztrain::detail::cpu_list_string(before));
+  const int alike = static_cast<int>(std::count(befores.begin(), befores.end(), befores[rt.rank()]));
+  const bool expect_pinned = alike >= 2 && static_cast<int>(before.size()) >= alike;
+  ASSERT_EQ(!rt.cpus().empty(), expect_pinned) << alike << " ranks given CPUs " << befores[rt.rank()];
+  // What the threads may use now: the share where pinned, else what the launcher gave.
+  const auto expected = expect_pinned ? rt.cpus() : before;
+  EXPECT_EQ(ztrain::detail::allowed_cpus(), expected);
+  std::vector<int> seen_by_new_thread;
+  std::thread([&] { seen_by_new_thread = ztrain::detail::allowed_cpus(); }).join();
+  EXPECT_EQ(seen_by_new_thread, expected);
+  if (!expect_pinned) return;
+  // The alike ranks' shares are disjoint and together make up the CPUs they were given.
+  const auto shares = rt.world().all_gather_bytes(ztrain::detail::cpu_list_string(rt.cpus()));
+  std::vector<int> together;
+  for (int r = 0; r < rt.world_size(); ++r) {
+    if (befores[r] != befores[rt.rank()]) continue;
+    std::stringstream list(shares[r]);
+    for (std::string range; std::getline(list, range, ',');) {
+      const auto dash = range.find('-');
+      const int first = std::stoi(range.substr(0, dash));
+      const int last = dash == std::string::npos ? first : std::stoi(range.substr(dash + 1));
+      for (int c = first; c <= last; ++c) together.push_back(c);
+    }
+  }
+  std::sort(together.begin(), together.end());
+  EXPECT_EQ(together, before);
 }
 
 namespace {

@@ -318,7 +318,8 @@ struct HostLayout {
   int local_size = 1;
   int local_rank = 0;
 };
-/// Collective over `comm`.
-HostLayout host_layout(Communicator& comm);
+/// Collective over `comm`. With `alike`, only the members on this host that pass the same
+/// `alike` count (such as those given the same CPUs).
+HostLayout host_layout(Communicator& comm, std::string_view alike = {});
 
 }  // namespace ztrain

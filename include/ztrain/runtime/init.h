@@ -30,6 +30,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <vector>
 
 namespace ztrain {
 
@@ -46,6 +47,14 @@ struct InitOptions {
   /// Intra-op threads per rank. Not set: OMP_NUM_THREADS if the environment sets it, else the
   /// usable cores of this host divided by the ranks on it (at least 1).
   std::optional<int> threads;
+  /// Pin each rank's threads to its own share of the CPUs: the ranks of one host that were given
+  /// the same CPUs (started unbound, as by `mpirun --bind-to none` or a Python launcher) split
+  /// them by physical core, local rank k of m taking the k-th of m equal shares, so that the
+  /// threads a rank starts for communication take their time from its own compute threads, not
+  /// a peer's. Nothing changes where a rank has its CPUs to itself (a launcher bound it), where
+  /// the ranks outnumber the CPUs, or where a rank's intra-op threads would outnumber its share.
+  /// Not set: on unless ZTRAIN_BIND_CORES is 0.
+  std::optional<bool> bind_cores;
   /// Deadline of every communication wait. Not set: ZTRAIN_TIMEOUT_S from the environment,
   /// else 300 s. Making the context's communicators at init waits at least kStartupTimeout
   /// (ranks start at different times and connect for the first time there).
@@ -111,6 +120,9 @@ class Runtime {
 
   uint64_t seed() const { return context_->seed(); }
   int threads() const { return threads_; }
+  /// The CPUs this rank's threads were pinned to (InitOptions::bind_cores); empty where they
+  /// were left as the launcher started them.
+  const std::vector<int>& cpus() const { return cpus_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   bool debug_collectives() const { return debug_; }
   bool huge_pages() const { return huge_pages_; }
@@ -126,6 +138,7 @@ class Runtime {
   int local_size_ = 1;
   int local_rank_ = 0;
   int threads_ = 1;
+  std::vector<int> cpus_;
   std::chrono::milliseconds timeout_;
   bool debug_ = false;
   bool huge_pages_ = false;
