@@ -332,20 +332,22 @@ bool poll_until_done(std::vector<TransportRequest*>& requests, std::chrono::mill
 
 // ---- algorithm choice ------------------------------------------------------------------------
 
-void Communicator::run_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call) {
-  if (size_ == 1 || flat.numel() == 0) return;
+bool Communicator::run_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call) {
+  if (size_ == 1 || flat.numel() == 0) return false;
   const bool big = large(flat.nbytes());
-  if (big && (host_shared_all_reduce(flat, op, call) || hierarchical_all_reduce(flat, op, call))) return;
+  if (big && host_shared_all_reduce(flat, op, call)) return true;
+  if (big && hierarchical_all_reduce(flat, op, call)) return false;
   if (!big || flat.numel() < size_) {
     if (auto r = guarded(call, -1, [&] { return transport_->all_reduce(flat, transport_op(op)); })) {
       wait(std::move(r), call, -1);
-      return;
+      return false;
     }
   }
   // Reduce-scatter into this rank's segment (in place), then all-gather the segments.
   const auto bounds = detail::even_bounds(flat.numel(), size_);
   ring_reduce_scatter(flat, bounds, detail::segment(flat, bounds, rank_), op, call);
   ring_all_gather(flat, bounds, torch::Tensor(), call);
+  return false;
 }
 
 void Communicator::run_all_gather(const torch::Tensor& input, const torch::Tensor& output, bool in_place,
@@ -368,25 +370,24 @@ void Communicator::run_all_gather(const torch::Tensor& input, const torch::Tenso
   ring_all_gather(output.view(-1), detail::even_bounds(output.numel(), size_), input, call);
 }
 
-void Communicator::run_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op,
+bool Communicator::run_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op,
                                       const char* call) {
-  if (output.numel() == 0) return;
+  if (output.numel() == 0) return false;
   if (size_ == 1) {
     output.copy_(input.view_as(output));
-    return;
+    return false;
   }
   const bool big = large(input.nbytes());
-  if (big && (host_shared_reduce_scatter(input, output, op, call) ||
-              hierarchical_reduce_scatter(input, output, op, call))) {
-    return;
-  }
+  if (big && host_shared_reduce_scatter(input, output, op, call)) return true;
+  if (big && hierarchical_reduce_scatter(input, output, op, call)) return false;
   if (!big) {
     if (auto r = guarded(call, -1, [&] { return transport_->reduce_scatter(input, output, transport_op(op)); })) {
       wait(std::move(r), call, -1);
-      return;
+      return false;
     }
   }
   ring_reduce_scatter(input.view(-1), detail::even_bounds(input.numel(), size_), output.view(-1), op, call);
+  return false;
 }
 
 void Communicator::control_all_gather(const torch::Tensor& input, const torch::Tensor& output, const char* call) {
@@ -439,8 +440,8 @@ void Communicator::all_reduce(const torch::Tensor& tensor, ReduceOp op) {
   begin({kAllReduce, static_cast<int32_t>(tensor.scalar_type()), tensor.numel(), static_cast<int64_t>(op)});
   stats_.all_reduce_bytes += tensor.nbytes();
   const auto flat = stage(tensor, true);
-  run_all_reduce(flat.view(-1), op, kCall);
-  if (op == ReduceOp::kAvg && size_ > 1) divide_by_members(flat, size_);
+  const bool averaged = run_all_reduce(flat.view(-1), op, kCall);
+  if (op == ReduceOp::kAvg && size_ > 1 && !averaged) divide_by_members(flat, size_);
   unstage(tensor, flat);
 }
 
@@ -481,8 +482,8 @@ void Communicator::reduce_scatter(const torch::Tensor& input, const torch::Tenso
   begin({kReduceScatter, static_cast<int32_t>(input.scalar_type()), output.numel(), static_cast<int64_t>(op)});
   stats_.reduce_scatter_bytes += input.nbytes();
   const auto staged_output = stage(output, false);
-  run_reduce_scatter(stage(input, true), staged_output, op, kCall);
-  if (op == ReduceOp::kAvg && size_ > 1 && output.numel() > 0) divide_by_members(staged_output, size_);
+  const bool averaged = run_reduce_scatter(stage(input, true), staged_output, op, kCall);
+  if (op == ReduceOp::kAvg && size_ > 1 && output.numel() > 0 && !averaged) divide_by_members(staged_output, size_);
   unstage(output, staged_output);
 }
 

@@ -344,10 +344,16 @@ inline void stream_line(char* dst, const char* src) {
 // before it stores whole lines: alternating 16-byte accesses between buffers 256 MiB apart made
 // all_reduce 4x slower on an AMD EPYC (Zen 3), whose level-1 cache tells lines apart by a hash
 // of low virtual address bits. Two sources, the common case, get a loop without the inner one
-// (a third faster at 8-128 MiB).
+// (a third faster at 8-128 MiB). A divisor above 1 divides every sum by it (ReduceOp::kAvg) before
+// it is stored, correctly rounded, as libtorch's division by a scalar.
 template <bool kStream>
-int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n, int64_t begin, int64_t end) {
-  auto store = [&](int64_t at, const __m128* acc) {
+int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n, int64_t begin, int64_t end,
+                  int divisor) {
+  const __m128 by = _mm_set1_ps(static_cast<float>(divisor));
+  auto store = [&](int64_t at, __m128* acc) {
+    if (divisor > 1) {
+      for (int j = 0; j < 4; ++j) acc[j] = _mm_div_ps(acc[j], by);
+    }
     for (int d = 0; d < ndst; ++d) {
       for (int j = 0; j < 4; ++j) {
         if constexpr (kStream) {
@@ -383,11 +389,13 @@ int64_t sum_lines(float* const* dsts, int ndst, const float* const* srcs, int n,
 
 // sum_lines for bfloat16, 32 to a line, widened to floats and rounded to the nearest even
 // bfloat16 after every addition, as libtorch's add of two bfloat16 tensors and c10::BFloat16's +
-// (a NaN becomes 0x7FC0): the sum over members equals the pairwise one bit for bit. AVX2 only
-// (bf16_avx2_sums()); a line is four registers of eight.
+// (a NaN becomes 0x7FC0): the sum over members equals the pairwise one bit for bit. A divisor
+// above 1 divides the rounded sum by it in float and rounds again, as libtorch divides a bfloat16
+// tensor by a scalar. AVX2 only (bf16_avx2_sums()); a line is four registers of eight.
 template <bool kStream>
 __attribute__((target("avx2"))) int64_t sum_lines_bf16(uint16_t* const* dsts, int ndst, const uint16_t* const* srcs,
-                                                        int n, int64_t begin, int64_t end) {
+                                                        int n, int64_t begin, int64_t end, int divisor) {
+  const __m256 by = _mm256_set1_ps(static_cast<float>(divisor));
   int64_t i = begin;
   for (; i + 32 <= end; i += 32) {
     for (int k = 0; k < n; ++k) _mm_prefetch(reinterpret_cast<const char*>(srcs[k] + i) + kPrefetchBytes, _MM_HINT_T0);
@@ -398,6 +406,9 @@ __attribute__((target("avx2"))) int64_t sum_lines_bf16(uint16_t* const* dsts, in
       for (int j = 0; j < 4; ++j) {
         acc[j] = _mm256_add_ps(k == 1 ? acc[j] : avx2_round_bf16(acc[j]), avx2_load_bf16(srcs[k] + i + 8 * j));
       }
+    }
+    if (divisor > 1) {
+      for (int j = 0; j < 4; ++j) acc[j] = _mm256_div_ps(avx2_round_bf16(acc[j]), by);
     }
     __m128i sum[4];
     for (int j = 0; j < 4; ++j) sum[j] = avx2_pack_bf16(acc[j]);
@@ -435,12 +446,14 @@ void copy_lines(char* dst, const char* src, size_t bytes) {
 #endif
 }
 
-// c10::BFloat16's + adds in float and rounds to the nearest even, as sum_lines_bf16.
+// c10::BFloat16's + adds in float and rounds to the nearest even, as sum_lines_bf16; so does its
+// conversion from the float quotient.
 template <typename T>
-void sum_scalar(T* const* dsts, int ndst, const T* const* srcs, int n, int64_t begin, int64_t end) {
+void sum_scalar(T* const* dsts, int ndst, const T* const* srcs, int n, int64_t begin, int64_t end, int divisor) {
   for (int64_t i = begin; i < end; ++i) {
     T acc = srcs[0][i];
     for (int k = 1; k < n; ++k) acc = acc + srcs[k][i];
+    if (divisor > 1) acc = static_cast<T>(static_cast<float>(acc) / static_cast<float>(divisor));
     for (int d = 0; d < ndst; ++d) dsts[d][i] = acc;
   }
 }
@@ -448,14 +461,15 @@ void sum_scalar(T* const* dsts, int ndst, const T* const* srcs, int n, int64_t b
 // The line kernel for T, streaming its stores or not; where it returns `begin` (no vector
 // kernel here), the caller's scalar loop does the rest.
 template <bool kStream, typename T>
-int64_t sum_lines_of(T* const* dsts, int ndst, const T* const* srcs, int n, int64_t begin, int64_t end) {
+int64_t sum_lines_of(T* const* dsts, int ndst, const T* const* srcs, int n, int64_t begin, int64_t end,
+                     int divisor) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, float>) {
-    return sum_lines<kStream>(dsts, ndst, srcs, n, begin, end);
+    return sum_lines<kStream>(dsts, ndst, srcs, n, begin, end, divisor);
   } else {
     if (!bf16_avx2_sums()) return begin;
     return sum_lines_bf16<kStream>(reinterpret_cast<uint16_t* const*>(dsts), ndst,
-                                   reinterpret_cast<const uint16_t* const*>(srcs), n, begin, end);
+                                   reinterpret_cast<const uint16_t* const*>(srcs), n, begin, end, divisor);
   }
 #else
   return begin;
@@ -463,27 +477,27 @@ int64_t sum_lines_of(T* const* dsts, int ndst, const T* const* srcs, int n, int6
 }
 
 template <typename T>
-void stream_sum_of(T* dst, const T* const* srcs, int n, int64_t count) {
+void stream_sum_of(T* dst, const T* const* srcs, int n, int64_t count, int divisor) {
   int64_t i = 0;
   // In place (dst among the sources) every line is in cache when it is stored: non-temporal
   // stores to cached lines made all_reduce 4-7x slower on an AMD EPYC, so those take ordinary ones.
   const bool in_place = std::find(srcs, srcs + n, dst) != srcs + n;
   if (n >= 2 && static_cast<size_t>(count) * sizeof(T) >= kStreamMinBytes && !in_place) {
     i = std::min<int64_t>(count, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16 / sizeof(T));
-    sum_scalar(&dst, 1, srcs, n, 0, i);
-    i = sum_lines_of</*kStream=*/true>(&dst, 1, srcs, n, i, count);
+    sum_scalar(&dst, 1, srcs, n, 0, i, divisor);
+    i = sum_lines_of</*kStream=*/true>(&dst, 1, srcs, n, i, count, divisor);
   } else if (n >= 2) {
-    i = sum_lines_of</*kStream=*/false>(&dst, 1, srcs, n, 0, count);
+    i = sum_lines_of</*kStream=*/false>(&dst, 1, srcs, n, 0, count, divisor);
   }
-  sum_scalar(&dst, 1, srcs, n, i, count);
+  sum_scalar(&dst, 1, srcs, n, i, count, divisor);
 }
 
 template <typename T>
-void sum_to_all_of(T* const* buffers, int n, int64_t count) {
+void sum_to_all_of(T* const* buffers, int n, int64_t count, int divisor) {
   const auto* srcs = const_cast<const T* const*>(buffers);
   // Every line stored was loaded just before: ordinary stores (see stream_sum_of).
-  const int64_t i = n >= 2 ? sum_lines_of</*kStream=*/false>(buffers, n, srcs, n, 0, count) : 0;
-  sum_scalar(buffers, n, srcs, n, i, count);
+  const int64_t i = n >= 2 ? sum_lines_of</*kStream=*/false>(buffers, n, srcs, n, 0, count, divisor) : 0;
+  sum_scalar(buffers, n, srcs, n, i, count, divisor);
 }
 
 }  // namespace
@@ -535,15 +549,21 @@ bool bf16_avx2_sums() {
 #endif
 }
 
-void stream_sum(float* dst, const float* const* srcs, int n, int64_t count) { stream_sum_of(dst, srcs, n, count); }
-
-void stream_sum(c10::BFloat16* dst, const c10::BFloat16* const* srcs, int n, int64_t count) {
-  stream_sum_of(dst, srcs, n, count);
+void stream_sum(float* dst, const float* const* srcs, int n, int64_t count, int divisor) {
+  stream_sum_of(dst, srcs, n, count, divisor);
 }
 
-void sum_to_all(float* const* buffers, int n, int64_t count) { sum_to_all_of(buffers, n, count); }
+void stream_sum(c10::BFloat16* dst, const c10::BFloat16* const* srcs, int n, int64_t count, int divisor) {
+  stream_sum_of(dst, srcs, n, count, divisor);
+}
 
-void sum_to_all(c10::BFloat16* const* buffers, int n, int64_t count) { sum_to_all_of(buffers, n, count); }
+void sum_to_all(float* const* buffers, int n, int64_t count, int divisor) {
+  sum_to_all_of(buffers, n, count, divisor);
+}
+
+void sum_to_all(c10::BFloat16* const* buffers, int n, int64_t count, int divisor) {
+  sum_to_all_of(buffers, n, count, divisor);
+}
 
 }  // namespace ztrain::detail
 

@@ -60,14 +60,15 @@ void stream_copy_to_all(char* const* dsts, int n, const char* src, size_t bytes)
 /// dst[i] = srcs[0][i] + srcs[1][i] + ... + srcs[n-1][i], summed in that order (so equal bit
 /// for bit to a scalar loop; bfloat16 adds in float and rounds after every addition, as
 /// c10::BFloat16's + and libtorch's add), stored non-temporally when large and not in place.
-/// dst may be one of srcs; n >= 1.
-void stream_sum(float* dst, const float* const* srcs, int n, int64_t count);
-void stream_sum(c10::BFloat16* dst, const c10::BFloat16* const* srcs, int n, int64_t count);
+/// dst may be one of srcs; n >= 1. A divisor above 1 divides each sum by it before it is
+/// stored (ReduceOp::kAvg), rounded as libtorch divides a tensor of that type by a scalar.
+void stream_sum(float* dst, const float* const* srcs, int n, int64_t count, int divisor = 1);
+void stream_sum(c10::BFloat16* dst, const c10::BFloat16* const* srcs, int n, int64_t count, int divisor = 1);
 
-/// buffers[k][i] = buffers[0][i] + ... + buffers[n-1][i] for every k, summed once in that order
-/// and stored to all n buffers.
-void sum_to_all(float* const* buffers, int n, int64_t count);
-void sum_to_all(c10::BFloat16* const* buffers, int n, int64_t count);
+/// buffers[k][i] = (buffers[0][i] + ... + buffers[n-1][i]) / divisor for every k, summed once in
+/// that order and stored to all n buffers.
+void sum_to_all(float* const* buffers, int n, int64_t count, int divisor = 1);
+void sum_to_all(c10::BFloat16* const* buffers, int n, int64_t count, int divisor = 1);
 
 /// Whether the bfloat16 sums above run vector kernels on this CPU (x86 with AVX2); elsewhere
 /// they are scalar loops, correct but slower than libtorch's kernels.

@@ -85,41 +85,46 @@ TEST(HostShared, StreamCopyToAllEqualsMemcpyIntoEach) {
   }
 }
 
+// A divisor (kAvg's mean) divides each sum as libtorch's division by a scalar does.
 TEST(HostShared, SumsEqualTheScalarSumInOrder) {
   for (int n : {1, 2, 3, 4}) {
-    for (int64_t count : {0, 1, 3, 5, 17, 65536 + 3, 262144 + 1}) {
-      for (int64_t misalign : {0, 1, 3}) {
-        std::vector<torch::Tensor> srcs;
-        std::vector<const float*> ptrs;
-        for (int k = 0; k < n; ++k) {
-          // Values of very different magnitudes: any other summation order rounds differently.
-          srcs.push_back(torch::randn({count}, at::detail::createCPUGenerator(k)) * std::pow(1e3, k));
-          ptrs.push_back(srcs.back().data_ptr<float>());
-        }
-        auto expected = torch::empty({count});
-        for (int64_t i = 0; i < count; ++i) {
-          float acc = ptrs[0][i];
-          for (int k = 1; k < n; ++k) acc += ptrs[k][i];
-          expected.data_ptr<float>()[i] = acc;
-        }
-        auto dst = torch::empty({count + misalign}).narrow(0, misalign, count);
-        ztrain::detail::stream_sum(dst.data_ptr<float>(), ptrs.data(), n, count);
-        ASSERT_TRUE(torch::equal(dst, expected)) << n << " sources, " << count << " floats at +" << misalign;
-        // In place into the first source, as reduce_scatter into its own slice of the input.
-        auto first = srcs[0].clone();
-        ptrs[0] = first.data_ptr<float>();
-        ztrain::detail::stream_sum(first.data_ptr<float>(), ptrs.data(), n, count);
-        ASSERT_TRUE(torch::equal(first, expected)) << "in place: " << n << " sources, " << count << " floats";
-        // Into every source, as all_reduce stores its segment's sum to every member.
-        std::vector<torch::Tensor> all;
-        std::vector<float*> buffers;
-        for (const auto& src : srcs) {
-          all.push_back(torch::empty({count + misalign}).narrow(0, misalign, count).copy_(src));
-          buffers.push_back(all.back().data_ptr<float>());
-        }
-        ztrain::detail::sum_to_all(buffers.data(), n, count);
-        for (int k = 0; k < n; ++k) {
-          ASSERT_TRUE(torch::equal(all[k], expected)) << "to all, buffer " << k << ": " << n << " sources, " << count;
+    for (int divisor : {1, 2, 3}) {
+      for (int64_t count : {0, 1, 3, 5, 17, 65536 + 3, 262144 + 1}) {
+        for (int64_t misalign : {0, 1, 3}) {
+          std::vector<torch::Tensor> srcs;
+          std::vector<const float*> ptrs;
+          for (int k = 0; k < n; ++k) {
+            // Values of very different magnitudes: any other summation order rounds differently.
+            srcs.push_back(torch::randn({count}, at::detail::createCPUGenerator(k)) * std::pow(1e3, k));
+            ptrs.push_back(srcs.back().data_ptr<float>());
+          }
+          auto expected = torch::empty({count});
+          for (int64_t i = 0; i < count; ++i) {
+            float acc = ptrs[0][i];
+            for (int k = 1; k < n; ++k) acc += ptrs[k][i];
+            expected.data_ptr<float>()[i] = acc;
+          }
+          if (divisor > 1) expected.div_(divisor);
+          auto dst = torch::empty({count + misalign}).narrow(0, misalign, count);
+          ztrain::detail::stream_sum(dst.data_ptr<float>(), ptrs.data(), n, count, divisor);
+          ASSERT_TRUE(torch::equal(dst, expected))
+              << n << " sources / " << divisor << ", " << count << " floats at +" << misalign;
+          // In place into the first source, as reduce_scatter into its own slice of the input.
+          auto first = srcs[0].clone();
+          ptrs[0] = first.data_ptr<float>();
+          ztrain::detail::stream_sum(first.data_ptr<float>(), ptrs.data(), n, count, divisor);
+          ASSERT_TRUE(torch::equal(first, expected)) << "in place: " << n << " sources, " << count << " floats";
+          // Into every source, as all_reduce stores its segment's sum to every member.
+          std::vector<torch::Tensor> all;
+          std::vector<float*> buffers;
+          for (const auto& src : srcs) {
+            all.push_back(torch::empty({count + misalign}).narrow(0, misalign, count).copy_(src));
+            buffers.push_back(all.back().data_ptr<float>());
+          }
+          ztrain::detail::sum_to_all(buffers.data(), n, count, divisor);
+          for (int k = 0; k < n; ++k) {
+            ASSERT_TRUE(torch::equal(all[k], expected)) << "to all, buffer " << k << ": " << n << " sources, " << count;
+          }
         }
       }
     }
@@ -127,54 +132,58 @@ TEST(HostShared, SumsEqualTheScalarSumInOrder) {
 }
 
 // bfloat16 sums round after every addition, as libtorch's add of two bfloat16 tensors: the
-// kernels equal a chain of at::add bit for bit, ties to even, infinities and NaN (as 0x7FC0)
-// among the values, on every path (short, lines, streamed, in place, to all).
+// kernels equal a chain of at::add bit for bit, and the means a division of that by a scalar,
+// ties to even, infinities and NaN (as 0x7FC0) among the values, on every path (short, lines,
+// streamed, in place, to all).
 TEST(HostShared, BFloat16SumsEqualLibtorchsAddInOrder) {
   using ztrain::detail::stream_sum;
   using ztrain::detail::sum_to_all;
   using BF = c10::BFloat16;
   const auto bf16 = torch::dtype(torch::kBFloat16);
   for (int n : {1, 2, 3}) {
-    for (int64_t count : {0, 1, 7, 33, 65536 + 5, 262144 + 3}) {
-      for (int64_t misalign : {0, 1}) {
-        std::vector<torch::Tensor> srcs;
-        std::vector<const BF*> ptrs;
-        for (int k = 0; k < n; ++k) {
-          auto gen = at::detail::createCPUGenerator(10 + k);
-          auto src = (torch::randn({count}, gen) * std::pow(300.0, k)).to(torch::kBFloat16);
-          if (count > 40) {
-            // Ties: 1 + 2^-8 is halfway between two bfloat16 (1 and 1 + 2^-7) in a sum with 1.
-            src.narrow(0, 0, 8).fill_(k == 0 ? 1.0 : 0.00390625);
-            src[9] = k == 0 ? std::numeric_limits<float>::infinity() : 1.0f;
-            src[10] = k == n - 1 ? std::nanf("") : 2.0f;
-            src[11] = k == 0 ? 3.0e38f : 3.0e38f;  // overflows to infinity
+    for (int divisor : {1, 2, 3}) {
+      for (int64_t count : {0, 1, 7, 33, 65536 + 5, 262144 + 3}) {
+        for (int64_t misalign : {0, 1}) {
+          std::vector<torch::Tensor> srcs;
+          std::vector<const BF*> ptrs;
+          for (int k = 0; k < n; ++k) {
+            auto gen = at::detail::createCPUGenerator(10 + k);
+            auto src = (torch::randn({count}, gen) * std::pow(300.0, k)).to(torch::kBFloat16);
+            if (count > 40) {
+              // Ties: 1 + 2^-8 is halfway between two bfloat16 (1 and 1 + 2^-7) in a sum with 1.
+              src.narrow(0, 0, 8).fill_(k == 0 ? 1.0 : 0.00390625);
+              src[9] = k == 0 ? std::numeric_limits<float>::infinity() : 1.0f;
+              src[10] = k == n - 1 ? std::nanf("") : 2.0f;
+              src[11] = k == 0 ? 3.0e38f : 3.0e38f;  // overflows to infinity
+            }
+            srcs.push_back(src);
+            ptrs.push_back(srcs.back().data_ptr<BF>());
           }
-          srcs.push_back(src);
-          ptrs.push_back(srcs.back().data_ptr<BF>());
-        }
-        auto expected = srcs[0].clone();
-        for (int k = 1; k < n; ++k) expected = at::add(expected, srcs[k]);
-        // Every NaN as the kernels write it (libtorch's own NaN bits differ between its paths).
-        expected.masked_fill_(expected.isnan(), std::nanf(""));
-        const auto same = [&](const torch::Tensor& got) {
-          return torch::equal(got.view(torch::kInt16), expected.view(torch::kInt16));
-        };
-        auto dst = torch::empty({count + misalign}, bf16).narrow(0, misalign, count);
-        stream_sum(dst.data_ptr<BF>(), ptrs.data(), n, count);
-        ASSERT_TRUE(same(dst)) << n << " sources, " << count << " values at +" << misalign;
-        auto first = srcs[0].clone();
-        ptrs[0] = first.data_ptr<BF>();
-        stream_sum(first.data_ptr<BF>(), ptrs.data(), n, count);
-        ASSERT_TRUE(same(first)) << "in place: " << n << " sources, " << count << " values";
-        std::vector<torch::Tensor> all;
-        std::vector<BF*> buffers;
-        for (const auto& src : srcs) {
-          all.push_back(torch::empty({count + misalign}, bf16).narrow(0, misalign, count).copy_(src));
-          buffers.push_back(all.back().data_ptr<BF>());
-        }
-        sum_to_all(buffers.data(), n, count);
-        for (int k = 0; k < n; ++k) {
-          ASSERT_TRUE(same(all[k])) << "to all, buffer " << k << ": " << n << " sources, " << count;
+          auto expected = srcs[0].clone();
+          for (int k = 1; k < n; ++k) expected = at::add(expected, srcs[k]);
+          if (divisor > 1) expected = expected.div(divisor);
+          // Every NaN as the kernels write it (libtorch's own NaN bits differ between its paths).
+          expected.masked_fill_(expected.isnan(), std::nanf(""));
+          const auto same = [&](const torch::Tensor& got) {
+            return torch::equal(got.view(torch::kInt16), expected.view(torch::kInt16));
+          };
+          auto dst = torch::empty({count + misalign}, bf16).narrow(0, misalign, count);
+          stream_sum(dst.data_ptr<BF>(), ptrs.data(), n, count, divisor);
+          ASSERT_TRUE(same(dst)) << n << " sources / " << divisor << ", " << count << " values at +" << misalign;
+          auto first = srcs[0].clone();
+          ptrs[0] = first.data_ptr<BF>();
+          stream_sum(first.data_ptr<BF>(), ptrs.data(), n, count, divisor);
+          ASSERT_TRUE(same(first)) << "in place: " << n << " sources, " << count << " values";
+          std::vector<torch::Tensor> all;
+          std::vector<BF*> buffers;
+          for (const auto& src : srcs) {
+            all.push_back(torch::empty({count + misalign}, bf16).narrow(0, misalign, count).copy_(src));
+            buffers.push_back(all.back().data_ptr<BF>());
+          }
+          sum_to_all(buffers.data(), n, count, divisor);
+          for (int k = 0; k < n; ++k) {
+            ASSERT_TRUE(same(all[k])) << "to all, buffer " << k << ": " << n << " sources, " << count;
+          }
         }
       }
     }

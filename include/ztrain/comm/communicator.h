@@ -232,10 +232,12 @@ class Communicator {
   // agreements): the transport's collective, else a ring; never the host-shared path.
   void control_all_gather(const torch::Tensor& input, const torch::Tensor& output, const char* call);
   void control_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
-  // The algorithms, without validation, statistics or the debug check.
-  void run_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
+  // The algorithms, without validation, statistics or the debug check. The reductions return
+  // whether they divided kAvg's sum by the members themselves (the host-shared path); where not,
+  // the caller divides.
+  bool run_all_reduce(const torch::Tensor& flat, ReduceOp op, const char* call);
   void run_all_gather(const torch::Tensor& input, const torch::Tensor& output, bool in_place, const char* call);
-  void run_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op, const char* call);
+  bool run_reduce_scatter(const torch::Tensor& input, const torch::Tensor& output, ReduceOp op, const char* call);
   void run_broadcast(const torch::Tensor& tensor, int root, const char* call);
   void run_barrier(const char* call);
 
@@ -252,7 +254,8 @@ class Communicator {
   torch::Tensor scratch_for(c10::ScalarType dtype, int64_t numel);
 
   // The same-host paths over host-shared buffers (src/comm/host_shared_collectives.cpp). Each
-  // returns false, having moved nothing, on every member alike where they cannot be taken.
+  // returns false, having moved nothing, on every member alike where they cannot be taken. Their
+  // kAvg results come out divided by the members.
   struct Members {
     int buffer = -1;
     std::vector<char*> at;
