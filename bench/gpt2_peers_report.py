@@ -57,6 +57,7 @@ def main():
         return flops_per_token * r["tokens_per_s"] / r["ranks"] / 1e9
 
     r0, m = ours[0], ours[0]["model"]
+    pinned = [r for r in ours if r.get("cpus") and r["ranks"] > 1]
     # The PyTorch peers' model has no dropout; runs from before gpt_bench recorded it had 0.1.
     dropout = "no dropout" if m.get("dropout", 0.1) == 0 else f"dropout {m.get('dropout', 0.1)} in ztrain only"
     out = [f"Measured on {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(os.path.getmtime(a.results[-1])))}, commit {a.commit}. "
@@ -70,6 +71,9 @@ def main():
            f"per-rank batch: alone (the other cores idle) and {n} such runs at once (every core doing the same "
            "work, without communication). In bf16 ztrain keeps fp32 masters; DDP runs under autocast, FSDP2 with "
            "`MixedPrecisionPolicy(param_dtype=bfloat16)`. "
+           + ("ztrain's ranks pinned themselves each to its share of the host's cores (`InitOptions::bind_cores`; "
+              "rank 0 to CPUs " + ",".join(map(str, pinned[0]["cpus"])) + "); the PyTorch peers' ran where the "
+              "scheduler put them. " if pinned else "")
            + ("ztrain's bf16 matmuls ran through fp32 kernels on widened operands, which its first bf16 matmul "
               "timed faster on this CPU than the CPU's bf16 units (`src/cpu_matmul16.cpp`); the PyTorch peers' "
               "ran on the units, through oneDNN. " if any(r.get("cpu_matmul16") == "fp32" for r in ours)

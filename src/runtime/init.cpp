@@ -10,8 +10,6 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include <sched.h>
-
 #include <thread>
 
 #include <algorithm>
@@ -124,9 +122,8 @@ c10::Device resolve_rank_device(const InitOptions& o, int local_rank) {
 }
 
 int usable_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  const auto cpus = detail::allowed_cpus();
+  if (!cpus.empty()) return static_cast<int>(cpus.size());
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
@@ -150,8 +147,12 @@ bool resolve_bind_cores(const InitOptions& o) {
 /// as they were.
 std::vector<int> bind_to_share(const std::vector<int>& cpus, const HostLayout& alike, int threads) {
   if (alike.local_size < 2) return {};
-  auto share = detail::cpu_share(cpus, alike.local_rank, alike.local_size);
-  if (static_cast<int>(share.size()) < threads) return {};  // also where there are more ranks than CPUs
+  // Every such rank decides alike: all pinned where every share holds the threads (none where the
+  // ranks outnumber the CPUs), else none.
+  for (int k = 0; k < alike.local_size; ++k) {
+    if (static_cast<int>(detail::cpu_share(cpus, k, alike.local_size).size()) < threads) return {};
+  }
+  const auto share = detail::cpu_share(cpus, alike.local_rank, alike.local_size);
   std::string error;
   if (!detail::pin_process_threads(share, error)) {
     std::cerr << "ztrain: could not pin this rank's threads to CPUs " << detail::cpu_list_string(share) << " ("
