@@ -457,7 +457,8 @@ int run(const Args& a) {
   };
   if (rt.rank() == 0) {
     std::cout << out.dump() << std::endl;
-    if (!a.json_path.empty()) std::ofstream(a.json_path, std::ios::app) << out.dump() << "\n";
+    // One write, appended whole: runs at once (bench/gpt2_peers.sh) share the file.
+    if (!a.json_path.empty()) std::ofstream(a.json_path, std::ios::app) << out.dump() + "\n";
   }
   return 0;
 }
