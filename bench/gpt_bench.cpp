@@ -456,9 +456,10 @@ int run(const Args& a) {
       {"profile", a.profile_path.empty() ? json() : json(a.profile_path)},
   };
   if (rt.rank() == 0) {
-    std::cout << out.dump() << std::endl;
+    const auto line = out.dump() + "\n";
+    std::cout << line << std::flush;
     // One write, appended whole: runs at once (bench/gpt2_peers.sh) share the file.
-    if (!a.json_path.empty()) std::ofstream(a.json_path, std::ios::app) << out.dump() + "\n";
+    if (!a.json_path.empty()) std::ofstream(a.json_path, std::ios::app) << line;
   }
   return 0;
 }

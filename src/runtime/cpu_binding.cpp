@@ -32,9 +32,9 @@ int physical_core_of(int cpu) {
   return package * (1 << 16) + core;
 }
 
-std::vector<int> cpu_share(const std::vector<int>& cpus, int index, int shares,
-                           const std::function<int(int)>& core_of) {
-  if (shares < 1 || index < 0 || index >= shares || static_cast<int>(cpus.size()) < shares) return {};
+std::vector<std::vector<int>> cpu_shares(const std::vector<int>& cpus, int shares,
+                                         const std::function<int(int)>& core_of) {
+  if (shares < 1 || static_cast<int>(cpus.size()) < shares) return {};
   // The cores in the order of their first CPU, each with its CPUs; a CPU of unknown core alone.
   std::vector<std::vector<int>> cores;
   std::map<int, size_t> core_index;
@@ -53,12 +53,14 @@ std::vector<int> cpu_share(const std::vector<int>& cpus, int index, int shares,
     for (int cpu : cpus) cores.push_back({cpu});
   }
   const size_t n = cores.size();
-  std::vector<int> share;
-  for (size_t u = n * index / shares; u < n * (index + 1) / shares; ++u) {
-    share.insert(share.end(), cores[u].begin(), cores[u].end());
+  std::vector<std::vector<int>> out(shares);
+  for (int k = 0; k < shares; ++k) {
+    for (size_t u = n * k / shares; u < n * (k + 1) / shares; ++u) {
+      out[k].insert(out[k].end(), cores[u].begin(), cores[u].end());
+    }
+    std::sort(out[k].begin(), out[k].end());
   }
-  std::sort(share.begin(), share.end());
-  return share;
+  return out;
 }
 
 bool pin_process_threads(const std::vector<int>& cpus, std::string& error) {

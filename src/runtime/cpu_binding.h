@@ -21,11 +21,11 @@ std::vector<int> allowed_cpus();
 /// unknown: CPUs of one core are hardware threads sharing its units.
 int physical_core_of(int cpu);
 
-/// Share `index` of `shares` equal shares of `cpus`, cut by physical core (`core_of`; a core's
-/// hardware threads stay together) where there are at least `shares` cores, else by CPU. Empty
-/// when there are fewer CPUs than shares. Shares differ in size by at most one core (or CPU).
-std::vector<int> cpu_share(const std::vector<int>& cpus, int index, int shares,
-                           const std::function<int(int)>& core_of = physical_core_of);
+/// `cpus` in `shares` equal shares, in order, cut by physical core (`core_of`; a core's hardware
+/// threads stay together) where there are at least `shares` cores, else by CPU. None when there
+/// are fewer CPUs than shares. Shares differ in size by at most one core (or CPU).
+std::vector<std::vector<int>> cpu_shares(const std::vector<int>& cpus, int shares,
+                                         const std::function<int(int)>& core_of = physical_core_of);
 
 /// Pins every thread of this process (and so the threads it starts later) to `cpus`; false,
 /// with the reason in `error`, if the kernel refused.

@@ -147,12 +147,14 @@ bool resolve_bind_cores(const InitOptions& o) {
 /// as they were.
 std::vector<int> bind_to_share(const std::vector<int>& cpus, const HostLayout& alike, int threads) {
   if (alike.local_size < 2) return {};
-  // Every such rank decides alike: all pinned where every share holds the threads (none where the
-  // ranks outnumber the CPUs), else none.
-  for (int k = 0; k < alike.local_size; ++k) {
-    if (static_cast<int>(detail::cpu_share(cpus, k, alike.local_size).size()) < threads) return {};
+  // Every such rank decides alike: all pinned where every share holds the threads, else none
+  // (also where the ranks outnumber the CPUs: no shares).
+  const auto shares = detail::cpu_shares(cpus, alike.local_size);
+  if (shares.empty()) return {};
+  for (const auto& s : shares) {
+    if (static_cast<int>(s.size()) < threads) return {};
   }
-  const auto share = detail::cpu_share(cpus, alike.local_rank, alike.local_size);
+  const auto& share = shares[alike.local_rank];
   std::string error;
   if (!detail::pin_process_threads(share, error)) {
     std::cerr << "ztrain: could not pin this rank's threads to CPUs " << detail::cpu_list_string(share) << " ("

@@ -13,7 +13,12 @@
 namespace cpu_binding_test {
 
 using ztrain::detail::cpu_list_string;
-using ztrain::detail::cpu_share;
+
+// Share `index` of `shares`, none where there is no such share.
+std::vector<int> cpu_share(const std::vector<int>& cpus, int index, int shares, const std::function<int(int)>& core) {
+  const auto all = ztrain::detail::cpu_shares(cpus, shares, core);
+  return index < static_cast<int>(all.size()) ? all[index] : std::vector<int>{};
+}
 
 std::vector<int> range(int first, int last) {  // [first, last]
   std::vector<int> v(last - first + 1);
