@@ -5,11 +5,11 @@
 # each, on 2 ranks x 1 thread, at ZeRO levels 0 and 3 in fp32 and bf16, the two builds taking
 # turns configuration by configuration, ROUNDS times (default 3), so that drift in the machine's
 # speed slows both alike. Prints each configuration's median step time over its runs for A and
-# B, the spread (lowest and highest run), and B/A in tokens/s. DTYPES and LEVELS (environment)
-# narrow the configurations, e.g. DTYPES=bf16 LEVELS="0 3"; ARGS adds gpt_bench options to every
-# run, e.g. ARGS="--batch 2 --seq 256 --dropout 0". PROFILE=fp32|bf16 also profiles one
-# step of each build at 1 rank, level 0, in that dtype (libtorch's profiler) and prints the
-# operators' self times side by side.
+# B, the spread (lowest and highest run), B/A in tokens/s, and each build's median peak RSS of
+# rank 0. DTYPES and LEVELS (environment) narrow the configurations, e.g. DTYPES=bf16
+# LEVELS="0 3"; ARGS adds gpt_bench options to every run, e.g. ARGS="--batch 2 --seq 256
+# --dropout 0". PROFILE=fp32|bf16 also profiles one step of each build at 1 rank, level 0, in
+# that dtype (libtorch's profiler) and prints the operators' self times side by side.
 set -euo pipefail
 a=$1 b=$2
 rounds=${3:-3}
@@ -45,14 +45,18 @@ runs = {}
 for row in open(sys.argv[1]):
     side, dtype, level, payload = row.split(" ", 3)
     r = json.loads(payload)
-    runs.setdefault((dtype, int(level)), {}).setdefault(side, []).append((r["step_s"]["median"], r["loss_last"]))
-print(f"{'dtype':6} {'level':>5} {'A step s (min-max)':>24} {'B step s (min-max)':>24} {'B/A tokens/s':>13}  losses A = B")
+    runs.setdefault((dtype, int(level)), {}).setdefault(side, []).append(
+        (r["step_s"]["median"], r["loss_last"], r["memory"]["peak_rss"] / 2**30))
+print(f"{'dtype':6} {'level':>5} {'A step s (min-max)':>24} {'B step s (min-max)':>24} {'B/A tokens/s':>13} "
+      f"{'RSS GiB A, B':>13}  losses A = B")
 for (dtype, level), sides in sorted(runs.items()):
-    a = [s for s, _ in sides["A"]]
-    b = [s for s, _ in sides["B"]]
-    same = {l for _, l in sides["A"]} == {l for _, l in sides["B"]}
+    a = [s for s, _, _ in sides["A"]]
+    b = [s for s, _, _ in sides["B"]]
+    rss = [statistics.median(m for _, _, m in sides[side]) for side in "AB"]
+    same = {l for _, l, _ in sides["A"]} == {l for _, l, _ in sides["B"]}
     fmt = lambda v: f"{statistics.median(v):.4f} ({min(v):.4f}-{max(v):.4f})"
-    print(f"{dtype:6} {level:>5} {fmt(a):>24} {fmt(b):>24} {statistics.median(a) / statistics.median(b):>13.3f}  {same}")
+    print(f"{dtype:6} {level:>5} {fmt(a):>24} {fmt(b):>24} {statistics.median(a) / statistics.median(b):>13.3f} "
+          f"{rss[0]:>6.2f}, {rss[1]:.2f}  {same}")
 EOF
 [[ -n ${PROFILE:-} ]] || exit 0
 for side in A B; do

@@ -34,8 +34,8 @@
 // way to what the model needs.
 // A cached block serves a request of up to its own size and at least 8/9 of it.
 //
-// Why huge pages (only when asked)
-// --------------------------------
+// Why huge pages
+// --------------
 // A large tensor on 4 KiB pages costs one page-table walk per 4 KiB touched. Part of that cost
 // falls on the cross-process copy Open MPI uses for large messages on one host (CMA,
 // process_vm_readv, which pins the peer's pages one by one), and on memcpy and streaming kernels
@@ -43,20 +43,21 @@
 // the machine we measured, varying from run to run (bench/transport_probe, docs/benchmarks.md).
 // Linux backs a range with transparent huge pages only where it covers whole aligned 2 MiB
 // pages and, under the common "madvise" policy, only after madvise(MADV_HUGEPAGE) before the
-// first touch, so this must happen where the memory is allocated, for every large tensor.
-// Rounding sizes up to whole pages wastes under 2 MiB per tensor; measured over a whole GPT
-// training step, peak RSS grew 12–16% while throughput did not change measurably, which is why
-// the runtime does this only when asked (InitOptions).
+// first touch, so this must happen where the memory is allocated, for every large tensor. A
+// block of 2 MiB or more starts on a huge page and is advised; its size stays rounded to 4 KiB
+// pages, so the part past its last whole huge page stays on small pages and the block takes no
+// more memory than on small pages. Sizes rounded up to whole huge pages instead had cost a
+// 3.3 M-parameter GPT 12–16% of its peak RSS (docs/benchmarks.md, "Huge pages by default").
 
 namespace ztrain::detail {
 namespace {
 
 void* map_pages(size_t bytes, bool huge) {
-  if (!huge) {
+  if (!huge || bytes < kHugePageBytes) {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == MAP_FAILED ? nullptr : p;
   }
-  // Map one huge page more and trim the range to whole aligned huge pages.
+  // Map one huge page more and trim the range to start on a huge page.
   const size_t span = bytes + kHugePageBytes;
   void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) return nullptr;
@@ -90,8 +91,7 @@ class LargeBlocks {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       huge = huge_;
-      const size_t page = huge ? kHugePageBytes : page_bytes();
-      bytes = (nbytes + page - 1) / page * page;
+      bytes = (nbytes + page_bytes() - 1) / page_bytes() * page_bytes();
       auto it = by_size_.lower_bound(bytes);
       if (it != by_size_.end() && it->first <= bytes + bytes / 8) {
         void* p = it->second;

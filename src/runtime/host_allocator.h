@@ -1,6 +1,6 @@
 #pragma once
-// libtorch's CPU allocator for large tensors: a bounded cache of freed blocks and, when asked,
-// transparent huge pages; see host_allocator.cpp.
+// libtorch's CPU allocator for large tensors: a bounded cache of freed blocks and transparent
+// huge pages; see host_allocator.cpp.
 
 #include <cstddef>
 #include <cstdint>
@@ -9,14 +9,15 @@ namespace ztrain::detail {
 
 /// Allocations of at least this many bytes are large: mapped by the allocator, cached when freed.
 constexpr size_t kLargeHostBytes = size_t{1} << 20;
-/// With huge pages, large allocations are aligned and sized to whole pages of this size.
+/// With huge pages, allocations of at least this many bytes start on a page of this size.
 constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 struct HostAllocatorOptions {
   /// Freed large blocks kept for reuse, at most this many bytes (the least recently freed go
   /// first); 0: every large block is unmapped when freed.
   int64_t cache_bytes = 0;
-  /// Back large allocations with transparent huge pages (2 MiB aligned, madvise(MADV_HUGEPAGE)).
+  /// Back allocations of kHugePageBytes and more with transparent huge pages (aligned to them,
+  /// madvise(MADV_HUGEPAGE)).
   bool huge_pages = false;
 };
 

@@ -75,7 +75,7 @@ bool resolve_debug(const InitOptions& o) {
 bool resolve_huge_pages(const InitOptions& o) {
   if (o.huge_pages) return *o.huge_pages;
   auto v = env("ZTRAIN_HUGE_PAGES");
-  return v && *v != "0";
+  return !v || *v != "0";
 }
 
 int64_t resolve_host_cache_bytes(const InitOptions& o) {

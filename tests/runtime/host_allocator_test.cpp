@@ -1,6 +1,7 @@
 // The CPU allocator for large tensors (src/runtime/host_allocator.h): freed blocks come back to
 // the next allocation that fits them, the cache keeps to its bound by dropping the least
-// recently freed, small tensors are libtorch's as before, and raw allocations work both ways.
+// recently freed, small tensors are libtorch's as before, raw allocations work both ways, and
+// huge pages align large blocks without making them larger.
 #include "test_util.h"
 
 #include "../../src/host_memory.h"
@@ -135,6 +136,17 @@ TEST(HostAllocator, HugePagesAlignEveryLargeBlockEvenFromTheCache) {
   for (int64_t bytes : {2 * kMiB, 3 * kMiB + 5, 64 * kMiB}) {
     auto t = torch::empty({bytes}, torch::kUInt8);
     EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * kMiB), 0u) << bytes << " bytes";
+  }
+  install_host_allocator({.cache_bytes = ztrain::detail::default_host_cache_bytes()});
+}
+
+TEST(HostAllocator, HugePagesTakeNoMoreMemory) {
+  install_host_allocator({.cache_bytes = 0, .huge_pages = true});
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  for (int64_t bytes : {kMiB + 5, 3 * kMiB + 5}) {  // below and above a huge page
+    const auto before = host_allocator_stats().mapped_bytes;
+    auto t = torch::empty({bytes}, torch::kUInt8);
+    EXPECT_EQ(host_allocator_stats().mapped_bytes - before, (bytes + page - 1) / page * page) << bytes << " bytes";
   }
   install_host_allocator({.cache_bytes = ztrain::detail::default_host_cache_bytes()});
 }

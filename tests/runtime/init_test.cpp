@@ -97,11 +97,9 @@ TEST(Init, BuildsTheTopologyAndItsCommunicators) {
   const int tp = world % 2 == 0 ? 2 : 1;
   setenv("ZTRAIN_TIMEOUT_S", "42", 1);
   setenv("ZTRAIN_DEBUG_COLLECTIVES", "1", 1);
-  setenv("ZTRAIN_HUGE_PAGES", "1", 1);
   setenv("ZTRAIN_HOST_CACHE_BYTES", "123456789", 1);
   auto& rt = ztrain::init_distributed({.seed = 5, .tp_size = tp, .threads = 1});
   unsetenv("ZTRAIN_DEBUG_COLLECTIVES");
-  unsetenv("ZTRAIN_HUGE_PAGES");
   unsetenv("ZTRAIN_HOST_CACHE_BYTES");
   ASSERT_TRUE(ztrain::is_initialized());
   EXPECT_EQ(rt.world_size(), world);
@@ -195,8 +193,8 @@ bool thp_available() {
 }
 }  // namespace
 
-TEST(Init, LargeTensorsGetWholeHugePages) {
-  ASSERT_TRUE(ztrain::runtime().huge_pages());  // ZTRAIN_HUGE_PAGES=1 above
+TEST(Init, LargeTensorsStartOnHugePages) {
+  ASSERT_TRUE(ztrain::runtime().huge_pages());  // on by default
   constexpr int64_t kMiB = 1 << 20;
   for (int64_t bytes : {2 * kMiB, 3 * kMiB + 5, 64 * kMiB}) {
     auto t = torch::empty({bytes}, torch::kUInt8);

@@ -62,10 +62,12 @@ struct InitOptions {
   /// Check before every collective that all members agree on it (op, dtype, sizes, root).
   /// Not set: on when ZTRAIN_DEBUG_COLLECTIVES is 1.
   std::optional<bool> debug_collectives;
-  /// Back CPU tensors of 2 MiB and more with transparent huge pages (2 MiB aligned, sized to
-  /// whole pages, madvise(MADV_HUGEPAGE)): cross-process copies of large messages up to 1.5×
-  /// faster, at the price of 10–20% more peak memory (docs/benchmarks.md). Process-wide, from
-  /// init_distributed on. Not set: on when ZTRAIN_HUGE_PAGES is 1.
+  /// Back CPU tensors of 2 MiB and more with transparent huge pages (each starting on one,
+  /// madvise(MADV_HUGEPAGE); what is past its last whole huge page stays on 4 KiB pages, so it
+  /// takes no more memory): fewer TLB misses in copies and streaming kernels, cross-process copies
+  /// of large messages up to 1.5× faster (docs/benchmarks.md). Process-wide, from
+  /// init_distributed on; nothing changes where the kernel has transparent huge pages off. Not
+  /// set: on unless ZTRAIN_HUGE_PAGES is 0.
   std::optional<bool> huge_pages;
   /// Freed CPU tensors of 1 MiB and more are kept for reuse, at most this many bytes (the least
   /// recently freed go first), so that a training step does not map, fault and zero the same
