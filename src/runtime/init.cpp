@@ -66,16 +66,11 @@ std::chrono::milliseconds resolve_timeout(const InitOptions& o) {
   return std::chrono::seconds(300);
 }
 
-bool resolve_debug(const InitOptions& o) {
-  if (o.debug_collectives) return *o.debug_collectives;
-  auto v = env("ZTRAIN_DEBUG_COLLECTIVES");
-  return v && *v != "0";
-}
-
-bool resolve_huge_pages(const InitOptions& o) {
-  if (o.huge_pages) return *o.huge_pages;
-  auto v = env("ZTRAIN_HUGE_PAGES");
-  return !v || *v != "0";
+// An on/off option: as set, else environment variable `name` (on unless it is 0), else `otherwise`.
+bool flag(const std::optional<bool>& option, const char* name, bool otherwise) {
+  if (option) return *option;
+  auto v = env(name);
+  return v ? *v != "0" : otherwise;
 }
 
 int64_t resolve_host_cache_bytes(const InitOptions& o) {
@@ -88,21 +83,9 @@ int64_t resolve_host_cache_bytes(const InitOptions& o) {
   return env_number("ZTRAIN_HOST_CACHE_BYTES", *v, 0, "a number of bytes");
 }
 
-bool resolve_hierarchical(const InitOptions& o) {
-  if (o.hierarchical) return *o.hierarchical;
-  auto v = env("ZTRAIN_HIERARCHICAL");
-  return !v || *v != "0";
-}
-
 std::string resolve_backend(const InitOptions& o) {
   if (o.backend) return *o.backend;
   return env("ZTRAIN_BACKEND").value_or("mpi");
-}
-
-bool resolve_host_shared_buffers(const InitOptions& o) {
-  if (o.host_shared_buffers) return *o.host_shared_buffers;
-  auto v = env("ZTRAIN_HOST_SHARED_BUFFERS");
-  return !v || *v != "0";
 }
 
 /// The device of the rank with index `local_rank` on its host (runtime/device.h).
@@ -134,12 +117,6 @@ int resolve_threads(const InitOptions& o, int local_size) {
   }
   if (auto v = env("OMP_NUM_THREADS")) return env_int("OMP_NUM_THREADS", *v, 1);
   return std::max(1, usable_cores() / local_size);
-}
-
-bool resolve_bind_cores(const InitOptions& o) {
-  if (o.bind_cores) return *o.bind_cores;
-  auto v = env("ZTRAIN_BIND_CORES");
-  return !v || *v != "0";
 }
 
 /// Pins this rank's threads to its share of `cpus`, the CPUs it was given, which `alike` ranks
@@ -175,14 +152,17 @@ void finalize_at_exit() {
 }  // namespace
 
 Runtime::Runtime(const InitOptions& options)
-    : timeout_(resolve_timeout(options)), debug_(resolve_debug(options)), huge_pages_(resolve_huge_pages(options)),
+    : timeout_(resolve_timeout(options)), debug_(flag(options.debug_collectives, "ZTRAIN_DEBUG_COLLECTIVES", false)),
+      huge_pages_(flag(options.huge_pages, "ZTRAIN_HUGE_PAGES", true)),
       host_cache_bytes_(resolve_host_cache_bytes(options)) {
   detail::install_host_allocator({host_cache_bytes_, huge_pages_});
   // Ranks start at different times and make their first connections here: the communicators of
   // the context are made under a deadline of at least kStartupTimeout, then take timeout_.
   const auto startup = std::max<std::chrono::milliseconds>(timeout_, kStartupTimeout);
-  const CommunicatorOptions world_options{
-      .name = "world", .timeout = startup, .debug = debug_, .hierarchical = resolve_hierarchical(options)};
+  const CommunicatorOptions world_options{.name = "world",
+                                          .timeout = startup,
+                                          .debug = debug_,
+                                          .hierarchical = flag(options.hierarchical, "ZTRAIN_HIERARCHICAL", true)};
   // A backend bound to a device (NCCL) is made once the rank's device is known, which takes
   // the ranks' places on their hosts, found over MPI first.
   const auto backend = resolve_backend(options);
@@ -202,15 +182,16 @@ Runtime::Runtime(const InitOptions& options)
                  "use the mpi backend");
     world = make_world_communicator(backend, world_options, device);
   }
+  const bool host_shared_buffers = flag(options.host_shared_buffers, "ZTRAIN_HOST_SHARED_BUFFERS", true);
   context_ = ParallelContext::create(std::move(world), {.tp_size = options.tp_size,
                                                         .pp_size = options.pp_size,
                                                         .seed = options.seed,
-                                                        .host_shared_buffers = resolve_host_shared_buffers(options),
+                                                        .host_shared_buffers = host_shared_buffers,
                                                         .device = device});
   context_->set_timeout(timeout_);
   // Once nothing is left to reject: a configuration corrected in a second call finds the CPUs
   // as the launcher gave them.
-  if (resolve_bind_cores(options)) cpus_ = bind_to_share(cpus, alike, threads_);
+  if (flag(options.bind_cores, "ZTRAIN_BIND_CORES", true)) cpus_ = bind_to_share(cpus, alike, threads_);
   at::set_num_threads(threads_);
   context_->world().reset_stats();
   torch::manual_seed(rng::data_parallel_seed(options.seed, context_->coord()));
